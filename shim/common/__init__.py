@@ -1,0 +1,1 @@
+"""Tree-agnostic shim pieces: tree bootstrap + guard, symmetric heap, cute argument building."""

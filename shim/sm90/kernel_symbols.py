@@ -1,0 +1,63 @@
+"""The one place the sm90 shim names raw symbols of the Hopper kernel tree.
+
+A renamed or moved symbol in a new drop breaks here, and `tools/drop audit`
+reads this file (by AST) to check every row against the drop before anyone
+compiles. Light symbols (pure-Python tables) are imported eagerly; anything that
+pulls in cutlass is resolved on first attribute access (PEP 562), so importing
+this module costs no cutlass import.
+"""
+
+from shim.common import tree as _tree
+
+_tree.activate("sm90")
+
+# Eager: stdlib-only modules of the drop.
+from moe_hopper_fp8.heuristic_config import (  # noqa: E402
+    HEURISTIC_CONFIGS,
+    TOKEN_BUCKETS,
+    HopperFp8Config,
+    select_heuristic_config,
+    token_bucket,
+)
+
+# Lazy: name -> (module, attribute). Keep this a plain dict literal: the drop
+# audit parses it.
+_LAZY = {
+    "Sm90MegaMoEFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoEFp8Kernel"),
+    "Sm90MegaMoESwapABFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABFp8Kernel"),
+    "SymBufferHost": ("src.sym_buffer", "SymBufferHost"),
+    "SfPaddingBlock": ("common.megamoe_constants", "SfPaddingBlock"),
+    "Fp8E8M0SfVecSize": ("common.megamoe_constants", "Fp8E8M0SfVecSize"),
+    "Fp8BlockScaleK": ("common.megamoe_constants", "Fp8BlockScaleK"),
+    "Fp8Fc2ActivationScaleK": ("common.megamoe_constants", "Fp8Fc2ActivationScaleK"),
+    "Fp8WeightScaleBlockN": ("common.megamoe_constants", "Fp8WeightScaleBlockN"),
+    "Fp8WeightScaleBlockK": ("common.megamoe_constants", "Fp8WeightScaleBlockK"),
+    "Fp8GateUpInterleave": ("common.megamoe_constants", "Fp8GateUpInterleave"),
+    "FP8_SCALE_MODE_CHOICES": ("moe_hopper_fp8.hopper_moe_utils", "FP8_SCALE_MODE_CHOICES"),
+    "FP8_ACCUM_MODE_CHOICES": ("moe_hopper_fp8.hopper_moe_utils", "FP8_ACCUM_MODE_CHOICES"),
+}
+
+__all__ = [
+    "HEURISTIC_CONFIGS",
+    "TOKEN_BUCKETS",
+    "HopperFp8Config",
+    "select_heuristic_config",
+    "token_bucket",
+    *_LAZY,
+]
+
+
+def __getattr__(name):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

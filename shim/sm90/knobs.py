@@ -1,0 +1,150 @@
+"""Knobs of the Hopper FP8 MegaMoE kernel: what may be tuned, what changes results, and how a set is chosen.
+
+Correctness knobs change the generated program or its summation order (tile and
+cluster shape, operand swap, ping-pong, accumulation mode, token-back mode,
+in-kernel fc2 reduce, load-balance mode, tail-split pair tasks); perf knobs
+change only scheduling (group_hint, flag_batch, epi_flag_batch). All are
+compile-time parameters: one set per workspace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Dict, Optional, Tuple
+
+__all__ = ["KNOB_SPACE", "CORRECTNESS_KNOBS", "PERF_KNOBS", "Fp8Knobs", "InvalidKnobsError", "heuristic_knobs",
+           "resolve_knobs", "SCALE_MODES"]
+
+SCALE_MODES = {"fp8_block": "blockwise", "fp8_tensor": "per_tensor"}
+
+# The value sets the tuner draws from, by the kernel constructor parameter they
+# feed. Literal on purpose: `tools/drop audit` checks it against the drop by AST.
+KNOB_SPACE = {
+    "Sm90MegaMoEFp8Kernel": {
+        "mma_tiler_mnk": [(64, 128, 128), (64, 256, 128), (128, 128, 128), (128, 8, 128), (128, 16, 128),
+                          (128, 32, 128), (128, 64, 128), (256, 8, 128), (256, 16, 128), (256, 32, 128),
+                          (256, 64, 128)],
+        "cluster_shape_mnk": [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)],
+        "pingpong": [False, True],
+        "fp8_accum_mode": ["1xacc", "2xacc"],
+        "token_back_mode": ["epi_warps", "standalone_warps", "reuse_dispatch_warps"],
+        "fc2_in_kernel_topk_reduce": [False, True],
+        "load_balance_mode": ["static"],
+        "tail_split_pairs": [False, True],
+        "group_hint": [None, 66, 132, 264, 1048576],
+        "flag_batch": [1, 2, 4],
+        "epi_flag_batch": [1, 2, 4],
+    },
+}
+
+CORRECTNESS_KNOBS = ("swap_ab", "mma_tiler_mnk", "cluster_shape_mnk", "pingpong", "accum_mode", "token_back_mode",
+                     "fc2_in_kernel_topk_reduce", "load_balance_mode", "tail_split_pairs")
+PERF_KNOBS = ("group_hint", "flag_batch", "epi_flag_batch")
+
+
+class InvalidKnobsError(ValueError):
+    """A knob set the kernel cannot build; raised before any compile."""
+
+    def __init__(self, knob: str, message: str):
+        self.knob = knob
+        super().__init__(f"knob {knob!r}: {message}")
+
+
+@dataclass(frozen=True)
+class Fp8Knobs:
+    swap_ab: bool
+    mma_tiler_mnk: Tuple[int, int, int]
+    cluster_shape_mnk: Tuple[int, int, int]
+    pingpong: bool = False
+    accum_mode: str = "1xacc"
+    token_back_mode: str = "epi_warps"
+    fc2_in_kernel_topk_reduce: bool = False
+    load_balance_mode: str = "static"
+    tail_split_pairs: bool = False
+    group_hint: Optional[int] = None
+    flag_batch: int = 1
+    epi_flag_batch: int = 1
+
+    def to_json(self) -> Dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "Fp8Knobs":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise InvalidKnobsError(unknown[0], f"unknown knob; valid knobs: {sorted(names)}")
+        d = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
+        return cls(**d)
+
+    @property
+    def token_tile(self) -> int:
+        return self.mma_tiler_mnk[1] if self.swap_ab else self.mma_tiler_mnk[0]
+
+    @property
+    def token_cluster(self) -> int:
+        return self.cluster_shape_mnk[1] if self.swap_ab else self.cluster_shape_mnk[0]
+
+    @property
+    def weight_cluster(self) -> int:
+        return self.cluster_shape_mnk[0] if self.swap_ab else self.cluster_shape_mnk[1]
+
+    def correctness_part(self) -> Tuple:
+        return tuple(getattr(self, k) for k in CORRECTNESS_KNOBS)
+
+    def validate(self) -> "Fp8Knobs":
+        space = KNOB_SPACE["Sm90MegaMoEFp8Kernel"]
+        checks = {
+            "mma_tiler_mnk": self.mma_tiler_mnk, "cluster_shape_mnk": self.cluster_shape_mnk,
+            "pingpong": self.pingpong, "fp8_accum_mode": self.accum_mode, "token_back_mode": self.token_back_mode,
+            "fc2_in_kernel_topk_reduce": self.fc2_in_kernel_topk_reduce,
+            "load_balance_mode": self.load_balance_mode, "tail_split_pairs": self.tail_split_pairs,
+            "flag_batch": self.flag_batch, "epi_flag_batch": self.epi_flag_batch,
+        }
+        for name, value in checks.items():
+            if value not in space[name]:
+                raise InvalidKnobsError(name, f"{value!r} is not one of {space[name]}")
+        if not isinstance(self.swap_ab, bool):
+            raise InvalidKnobsError("swap_ab", f"expected a bool, got {self.swap_ab!r}")
+        if self.group_hint is not None and (not isinstance(self.group_hint, int) or self.group_hint <= 0):
+            raise InvalidKnobsError("group_hint", f"expected None or a positive int, got {self.group_hint!r}")
+        if self.cluster_shape_mnk[2] != 1:
+            raise InvalidKnobsError("cluster_shape_mnk", "the cluster's K extent must be 1")
+        if self.tail_split_pairs and not (self.token_cluster == 2 and self.weight_cluster == 1):
+            raise InvalidKnobsError("tail_split_pairs", "needs exactly two CTAs along tokens and one along weights "
+                                    f"(swap-AB (1,2,1) or non-swap (2,1,1)), got {self.cluster_shape_mnk}")
+        return self
+
+    def replace(self, **kw) -> "Fp8Knobs":
+        return replace(self, **kw)
+
+
+def heuristic_knobs(fmt: str, capacity: int) -> Fp8Knobs:
+    """The drop's own token-bucket table, keyed by capacity (tokens per rank)."""
+    from shim.sm90 import kernel_symbols as ks
+
+    sel = ks.select_heuristic_config(SCALE_MODES[fmt], max(1, capacity))
+    c = sel.config
+    return Fp8Knobs(
+        swap_ab=bool(c.swap_ab), mma_tiler_mnk=tuple(c.mma_tiler_mnk), cluster_shape_mnk=tuple(c.cluster_shape_mnk),
+        pingpong=bool(c.pingpong), accum_mode=c.accum_mode, token_back_mode=c.token_back_mode,
+        tail_split_pairs=bool(c.tail_split_pairs), group_hint=c.group_hint,
+    )
+
+
+def resolve_knobs(knobs, *, fmt: str, capacity: int, cache_key: str, cache=None) -> Tuple[Fp8Knobs, str]:
+    """Explicit > persistent cache > heuristic. Returns (knobs, where they came from)."""
+    from shim.common.knob_cache import KnobCache
+
+    if isinstance(knobs, Fp8Knobs):
+        return knobs.validate(), "explicit"
+    if isinstance(knobs, dict):
+        base = heuristic_knobs(fmt, capacity).to_json()
+        base.update(knobs)
+        return Fp8Knobs.from_json(base).validate(), "explicit"
+    if knobs not in (None, "auto"):
+        raise InvalidKnobsError("knobs", f"expected None, 'auto', a dict or Fp8Knobs, got {knobs!r}")
+    hit = (cache or KnobCache()).get(cache_key)
+    if hit is not None:
+        return Fp8Knobs.from_json(hit).validate(), "cache"
+    return heuristic_knobs(fmt, capacity).validate(), "heuristic"
