@@ -1,0 +1,1 @@
+"""Kernel-drop tooling: bump, audit, generated symbol tables, layering check."""
