@@ -52,6 +52,12 @@ class Sm90Fp8Frontend:
         self.fmt, self.gate_up_clamp, self.compile_only = fmt, gate_up_clamp, compile_only
         self.group = group
         self.device = torch.device("cpu") if compile_only else torch.device(device or "cuda")
+        if not compile_only:
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            # cutlass's HardwareInfo queries the driver directly: make sure the primary context exists.
+            torch.empty(1, device=self.device)
         self.knobs, self.knob_source = resolve_knobs(knobs, fmt=fmt, capacity=capacity, cache_key=knob_cache_key)
         self.kernel = self._build_kernel(self.knobs)
         if max_active_clusters is None:
@@ -140,6 +146,7 @@ class Sm90Fp8Frontend:
         return fp8_weights.prepare_fp8_block_weights(z, torch.zeros((e, h, i), dtype=torch.bfloat16), self.device)
 
     def _runtime_args(self, b: ArgBuilder, t: int, out: torch.Tensor) -> dict:
+        """Kernel arguments for a launch over the first `t` staged rows, writing `out`."""
         w = self._weights if self._weights is not None else self._placeholder_weights()
         from shim.sm90 import kernel_symbols as ks
 
@@ -190,18 +197,17 @@ class Sm90Fp8Frontend:
         t = x.shape[0]
         if out is None:
             out = torch.empty((t, self.hidden), dtype=torch.bfloat16, device=self.device)
-        # A rank with no tokens still joins the kernel's cross-rank barriers: it launches with one masked row
-        # (expert id -1 is skipped by dispatch) and drops that row's output.
-        tk = max(t, 1)
-        if t == 0:
-            self.topk_idx[:1].fill_(-1)
-        else:
-            self._stage(x, topk_idx, topk_weights)
-        direct = t > 0 and self.sym_out is None and out.is_contiguous() and out.data_ptr() % 16 == 0
-        target = out if direct else self.out_buf[:tk]
+        # Token counts below the capacity run as a capacity-sized launch whose spare rows carry expert id -1
+        # (dispatch skips them) -- see docs/shim.md for why the dynamic extent alone is not enough.
+        # A rank with no tokens thus still joins the kernel's cross-rank barriers.
+        tk = self._launch_rows(t)
+        self._stage(x, topk_idx, topk_weights, tk)
+        direct = t == tk and self.sym_out is None and out.is_contiguous() and out.data_ptr() % 16 == 0
+        out_rows = tk if self.pad_output else max(t, 1)
+        target = out if direct else self.out_buf[:out_rows]
         if self.sym_out is not None:
-            self.sym_out[:tk].zero_()
-        key = (tk, target.data_ptr())
+            self.sym_out[:out_rows].zero_()
+        key = (tk, out_rows, target.data_ptr())
         args = self._args_cache.get(key)
         if args is None:
             if len(self._args_cache) > 64:
@@ -214,8 +220,22 @@ class Sm90Fp8Frontend:
             out.copy_(self.out_buf[:t])
         return out
 
-    def _stage(self, x, topk_idx, topk_weights) -> None:
+    # Measured on an H200 (tests/gpu/sm90_fp8_diag_tokens.py, drop 0.7.2.post1): launching with the inputs'
+    # extent set to the token count gives wrong outputs for every T below the capacity (rel. L2 error ~1),
+    # while capacity-sized inputs with masked spare rows are right at every T, and the top-k reduce may then
+    # cover only the T real rows. So: inputs padded, output not.
+    pad_inputs = True
+    pad_output = False
+
+    def _launch_rows(self, t: int) -> int:
+        return self.capacity if self.pad_inputs else max(t, 1)
+
+    def _stage(self, x, topk_idx, topk_weights, rows: int) -> None:
         t, h = x.shape
+        if rows > t:
+            self.topk_idx[t:rows].fill_(-1)
+        if t == 0:
+            return
         blocks = x.view(t, h // ACT_BLOCK, ACT_BLOCK).float()
         scale = (blocks.abs().amax(dim=-1) / fp8_weights.FP8_MAX).clamp_(min=fp8_weights.SCALE_FLOOR)
         q = (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)

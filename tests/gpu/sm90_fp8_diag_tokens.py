@@ -1,0 +1,36 @@
+"""Which launch shape is right below capacity? Checks each variant against the oracle and times it."""
+import json, os, sys, time
+import torch
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+from sm90_fp8_first_light import oracle, routing  # noqa: E402
+from shim.sm90.fp8_frontend import Sm90Fp8Frontend  # noqa: E402
+
+dev = torch.device("cuda")
+for g in [dict(name="small", H=512, I=256, E=8, K=4, C=1024), dict(name="dsv3", H=7168, I=2048, E=32, K=8, C=4096)]:
+    f = Sm90Fp8Frontend(hidden=g["H"], intermediate=g["I"], experts_per_rank=g["E"], top_k=g["K"], capacity=g["C"], device=dev)
+    gen = torch.Generator().manual_seed(0)
+    w = f.load_weights((torch.randn(g["E"], 2 * g["I"], g["H"], generator=gen) / g["H"] ** 0.5).to(torch.bfloat16),
+                       (torch.randn(g["E"], g["H"], g["I"], generator=gen) / g["I"] ** 0.5).to(torch.bfloat16))
+    f.compile()
+    for pad_in, pad_out in ((True, True), (True, False), (False, True), (False, False)):
+        f.pad_inputs, f.pad_output = pad_in, pad_out
+        for t in (0, 1, 8, 100, g["C"]):
+            x = torch.randn(t, g["H"], generator=gen).to(torch.bfloat16).to(dev)
+            idx, tw = routing(t, g["E"], g["K"], False, gen)
+            idx, tw = idx.to(dev), tw.to(dev)
+            out = torch.full((t, g["H"]), float("nan"), dtype=torch.bfloat16, device=dev)
+            f.forward(x, idx, tw, out); torch.cuda.synchronize()
+            if t:
+                xq, xs = f.staged_activation(t)
+                ref = oracle(f, w, xq, xs, idx, tw, None).float()
+                rel = float((out.float() - ref).norm() / ref.norm())
+            else:
+                rel = 0.0
+            ts = []
+            for _ in range(15):
+                a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+                a.record(); f.forward(x, idx, tw, out); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b) * 1e3)
+            ts.sort()
+            print(json.dumps(dict(geom=g["name"], pad_in=pad_in, pad_out=pad_out, T=t, rel_l2=round(rel, 5),
+                                  nan=int(torch.isnan(out.float()).sum()), us_median=round(ts[7], 1))), flush=True)
+    f.close()
