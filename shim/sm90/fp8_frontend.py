@@ -202,8 +202,8 @@ class Sm90Fp8Frontend:
         # A rank with no tokens thus still joins the kernel's cross-rank barriers.
         tk = self._launch_rows(t)
         self._stage(x, topk_idx, topk_weights, tk)
-        direct = t == tk and self.sym_out is None and out.is_contiguous() and out.data_ptr() % 16 == 0
         out_rows = tk if self.pad_output else max(t, 1)
+        direct = out_rows == t and self.sym_out is None and out.is_contiguous() and out.data_ptr() % 16 == 0
         target = out if direct else self.out_buf[:out_rows]
         if self.sym_out is not None:
             self.sym_out[:out_rows].zero_()
