@@ -1,0 +1,98 @@
+"""Knob resolution: explicit > persistent cache > the drop's heuristic; invalid sets fail before compiling."""
+import json
+import os
+
+import pytest
+
+from shim.common.knob_cache import KnobCache, cache_key
+
+pytestmark = pytest.mark.usefixtures("sm90_tree")
+
+
+def _key(**kw):
+    base = dict(arch="sm90", fmt="fp8_block", hidden=7168, intermediate=2048, experts_per_rank=32, top_k=8,
+                world_size=1, capacity=128)
+    base.update(kw)
+    return cache_key(**base)
+
+
+def test_cache_round_trip_and_keys_separate_everything(tmp_path):
+    c = KnobCache(str(tmp_path / "k.json"))
+    assert c.get(_key()) is None
+    c.put(_key(), {"group_hint": 132}, meta={"us": 12.5})
+    assert c.get(_key()) == {"group_hint": 132}
+    for other in (dict(capacity=256), dict(world_size=4), dict(fmt="fp8_tensor"), dict(hidden=4096),
+                  dict(intermediate=1024), dict(experts_per_rank=16), dict(top_k=6), dict(arch="sm100")):
+        assert _key(**other) != _key()
+        assert c.get(_key(**other)) is None
+    # a second process (a fresh object on the same file) sees it
+    assert KnobCache(str(tmp_path / "k.json")).get(_key()) == {"group_hint": 132}
+
+
+def test_env_var_names_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "env.json"
+    monkeypatch.setenv("MOE_EP_KNOB_CACHE", str(path))
+    KnobCache().put("k", {"flag_batch": 2})
+    assert json.loads(path.read_text())["entries"]["k"]["knobs"] == {"flag_batch": 2}
+
+
+def test_corrupt_cache_is_an_error_not_a_silent_default(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"version": 99, "entries": {}}))
+    with pytest.raises(ValueError, match="not a version-1"):
+        KnobCache(str(path)).get("k")
+
+
+def test_resolution_order(tmp_path):
+    from shim.sm90.knobs import Fp8Knobs, heuristic_knobs, resolve_knobs
+
+    cache = KnobCache(str(tmp_path / "k.json"))
+    heur = heuristic_knobs("fp8_block", 128)
+    k, src = resolve_knobs(None, fmt="fp8_block", capacity=128, cache_key=_key(), cache=cache)
+    assert (k, src) == (heur, "heuristic")
+    tuned = heur.replace(group_hint=132, flag_batch=2)
+    cache.put(_key(), tuned.to_json())
+    k, src = resolve_knobs(None, fmt="fp8_block", capacity=128, cache_key=_key(), cache=cache)
+    assert (k, src) == (tuned, "cache")
+    k, src = resolve_knobs({"flag_batch": 4}, fmt="fp8_block", capacity=128, cache_key=_key(), cache=cache)
+    assert src == "explicit" and k.flag_batch == 4 and k.mma_tiler_mnk == heur.mma_tiler_mnk
+    explicit = Fp8Knobs(swap_ab=False, mma_tiler_mnk=(64, 256, 128), cluster_shape_mnk=(1, 1, 1))
+    assert resolve_knobs(explicit, fmt="fp8_block", capacity=128, cache_key=_key(), cache=cache) == (explicit, "explicit")
+
+
+def test_heuristic_follows_the_drop_table_by_capacity():
+    from shim.sm90 import kernel_symbols as ks
+    from shim.sm90.knobs import heuristic_knobs
+
+    for cap in (1, 8, 100, 128, 4096, 5000):
+        row = ks.HEURISTIC_CONFIGS["blockwise"][ks.token_bucket(cap)]
+        k = heuristic_knobs("fp8_block", cap)
+        assert (k.swap_ab, k.mma_tiler_mnk, k.cluster_shape_mnk, k.pingpong) == (
+            row.swap_ab, row.mma_tiler_mnk, row.cluster_shape_mnk, row.pingpong)
+
+
+@pytest.mark.parametrize("bad, knob", [
+    ({"token_back_mode": "carrier_pigeon"}, "token_back_mode"),
+    ({"mma_tiler_mnk": (96, 128, 128)}, "mma_tiler_mnk"),
+    ({"cluster_shape_mnk": (1, 1, 2)}, "cluster_shape_mnk"),
+    ({"tail_split_pairs": True, "swap_ab": False, "cluster_shape_mnk": (1, 1, 1)}, "tail_split_pairs"),
+    ({"group_hint": -3}, "group_hint"),
+    ({"flag_batch": 3}, "flag_batch"),
+    ({"warp_speed": 9}, "warp_speed"),
+])
+def test_invalid_knobs_are_rejected_by_name(bad, knob):
+    from shim.sm90.knobs import InvalidKnobsError, resolve_knobs
+
+    with pytest.raises(InvalidKnobsError) as e:
+        resolve_knobs(bad, fmt="fp8_block", capacity=128, cache_key="k", cache=KnobCache(None))
+    assert e.value.knob == knob and knob in str(e.value)
+
+
+def test_correctness_and_perf_knobs_partition_the_knob_set():
+    from dataclasses import fields
+
+    from shim.sm90.knobs import CORRECTNESS_KNOBS, PERF_KNOBS, Fp8Knobs
+
+    names = {f.name for f in fields(Fp8Knobs)}
+    assert set(CORRECTNESS_KNOBS) | set(PERF_KNOBS) == names
+    assert not set(CORRECTNESS_KNOBS) & set(PERF_KNOBS)
