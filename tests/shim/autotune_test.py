@@ -93,3 +93,7 @@ def test_single_process_without_group():
         collective_autotune([], lambda c: [1.0])
     with pytest.raises(NoViableCandidateError):
         collective_autotune([1], lambda c: [float("nan")], progress=False)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

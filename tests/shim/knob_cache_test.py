@@ -96,3 +96,7 @@ def test_correctness_and_perf_knobs_partition_the_knob_set():
     names = {f.name for f in fields(Fp8Knobs)}
     assert set(CORRECTNESS_KNOBS) | set(PERF_KNOBS) == names
     assert not set(CORRECTNESS_KNOBS) & set(PERF_KNOBS)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
