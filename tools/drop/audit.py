@@ -13,6 +13,7 @@ warn (binds, but may behave differently: a human must look), note
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 from pathlib import Path
@@ -216,10 +217,15 @@ def run_audit(
                     findings.append(Finding("knobs", "break", f"{cls_key}.{knob}", f"not a parameter of {owner}.__init__"))
                 continue
             constraints = knobs_mod.param_constraints(index, mod, node, knob)
+            default = None
+            if params[knob].default is not None:
+                ok, literal = knobs_mod.literal_or_none(ast.parse(params[knob].default, mode="eval").body)
+                if ok:
+                    default = (literal, f"{init.owner.rpartition('.')[0]}:{init.lineno}")
             table = tables.get(knob)
             offered = set()
             for value in values:
-                verdict = knobs_mod.judge_value(value, constraints, table)
+                verdict = knobs_mod.judge_value(value, constraints, table, default)
                 offered.add(knobs_mod.freeze(value))
                 knob_rows.append(KnobRow(cls_key, knob, repr(value), verdict.status, verdict.detail))
                 if verdict.status != "ok":

@@ -22,10 +22,10 @@ from tools.drop import contract as contract_mod
 from tools.drop import docs as docs_mod
 from tools.drop import layering as layering_mod
 from tools.drop.audit import AuditResult, run_audit
-from tools.drop.fetch import FetchError, sha256_file, tree_for_version
+from tools.drop.fetch import FetchError, tree_for_version
 from tools.drop.inventory import Inventory, inventory_of_tree, load_manifest_file
-from tools.drop.manifests import write_manifest
-from tools.drop.pins import PinError, manifest_path, read_pins_file, rewrite_pins, workspace_bzl
+from tools.drop.manifests import manifest_path, write_manifest
+from tools.drop.pins import PinError, read_pins, read_pins_file, rewrite_pins, workspace_bzl
 from tools.drop.report import render_markdown, render_terminal
 from tools.drop.shim_scan import lazy_tables
 from tools.drop.source_model import DropIndex
@@ -44,19 +44,21 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def _cache_dir(args, repo: Path) -> Path:
-    if args.cache_dir:
-        return Path(args.cache_dir).resolve()
+def default_cache_dir(repo: Path) -> Path:
     if os.environ.get("MOE_EP_DROP_CACHE"):
         return Path(os.environ["MOE_EP_DROP_CACHE"])
-    return repo / ".drop"  # git-ignored
+    return Path(repo) / ".drop"  # git-ignored
+
+
+def _cache_dir(args, repo: Path) -> Path:
+    return Path(args.cache_dir).resolve() if args.cache_dir else default_cache_dir(repo)
 
 
 def _trees(name: str) -> List[Tree]:
     return list(TREES.values()) if name == "all" else [TREES[name]]
 
 
-def pinned_tree_root(args, repo: Path, tree: Tree, explicit: Optional[str] = None) -> Tuple[Path, str]:
+def pinned_tree_root(repo: Path, tree: Tree, cache_dir: Path, explicit: Optional[str] = None) -> Tuple[Path, str]:
     """(root, how found) of the pinned drop tree, without importing anything from it."""
     if explicit:
         root = Path(explicit).resolve()
@@ -73,7 +75,7 @@ def pinned_tree_root(args, repo: Path, tree: Tree, explicit: Optional[str] = Non
     if pins is None:
         raise UsageError(f"no pin in {workspace_bzl(repo)}; pass --tree-root or set ${tree.env_var}")
     version, sha = pins
-    root, _ = tree_for_version(version, tree, _cache_dir(args, repo), expected_sha256=sha, log=_log)
+    root, _ = tree_for_version(version, tree, cache_dir, expected_sha256=sha, log=_log)
     return root, f"pip cache ({version}, sha256 verified)"
 
 
@@ -120,13 +122,22 @@ def _emit(result: AuditResult, path: Optional[Path], command: str) -> None:
 def cmd_audit(args, repo: Path) -> int:
     if args.tree == "all" and (args.tree_root or args.report not in (None, "-")):
         raise UsageError("--tree-root / --report need a single --tree")
+    if args.version and args.report is None and args.against is None:
+        args.report = "-"  # a preview writes no file unless asked
+    if args.tree_root and args.version:
+        raise UsageError("--tree-root and --version both name the new drop: pass one")
     code = EXIT_OK
     for tree in _trees(args.tree):
-        root, how = pinned_tree_root(args, repo, tree, args.tree_root)
+        if args.version:
+            # A bump preview: the new drop from pip, nothing in the repo rewritten.
+            root, _ = tree_for_version(args.version, tree, _cache_dir(args, repo), log=_log)
+            how, new_label = f"pip cache ({args.version})", args.version
+        else:
+            root, how = pinned_tree_root(repo, tree, _cache_dir(args, repo), args.tree_root)
+            new_label = str(root) if args.tree_root else _pin_label(repo, tree)
         _log(f"{tree.name}: new drop from {how}: {root}")
         new_inv = inventory_of_tree(root)
         old_inv, old_label = _old_inventory(args, repo, tree, args.against, new_inv)
-        new_label = _pin_label(repo, tree) if not args.tree_root else str(root)
         contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.name))
         result = run_audit(repo, tree, root, old_inv, new_inv, old_label, new_label, contract)
         _emit(result, _report_path(repo, tree, old_label, new_label, args.report), "bazel run //tools:drop -- audit " + " ".join(sys.argv[2:]))
@@ -141,8 +152,6 @@ def cmd_bump(args, repo: Path) -> int:
         raise UsageError(f"{bzl} not found")
     text = bzl.read_text(encoding="utf-8")
     try:
-        from tools.drop.pins import read_pins
-
         old_version, old_sha = read_pins(text, tree)
     except PinError as error:
         raise UsageError(str(error)) from error
@@ -191,8 +200,9 @@ def cmd_bump(args, repo: Path) -> int:
     return result.exit_code()
 
 
-def render_docs_for(args, repo: Path, tree: Tree, tree_root: Optional[str] = None) -> str:
-    root, how = pinned_tree_root(args, repo, tree, tree_root)
+def render_docs_for(repo: Path, tree: Tree, cache_dir: Path, tree_root: Optional[str] = None) -> str:
+    """docs/drop/<tree>.md as it should read now (used by `docs` and by docs_fresh_test)."""
+    root, how = pinned_tree_root(repo, tree, cache_dir, tree_root)
     _log(f"{tree.name}: pinned drop from {how}: {root}")
     contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.name))
     return docs_mod.render_docs(repo, tree, root, inventory_of_tree(root), read_pins_file(repo, tree), contract)
@@ -203,7 +213,7 @@ def cmd_docs(args, repo: Path) -> int:
         raise UsageError("--tree-root needs a single --tree")
     stale = []
     for tree in _trees(args.tree):
-        text = render_docs_for(args, repo, tree, args.tree_root)
+        text = render_docs_for(repo, tree, _cache_dir(args, repo), args.tree_root)
         path = docs_mod.docs_path(repo, tree)
         if args.check:
             if not path.is_file() or path.read_text(encoding="utf-8") != text:
@@ -240,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--against", help="older drop: a version (fetched via pip), a tree directory or a manifest .json "
                                      "(default: the committed manifest)")
     a.add_argument("--tree-root", help="audit this extracted tree instead of the pinned one")
+    a.add_argument("--version", help="audit this flashinfer-python version (fetched via pip) instead of the pinned "
+                                     "one: a bump preview that rewrites nothing")
     a.add_argument("--report", help="markdown report path ('-' for none)")
     a.set_defaults(func=cmd_audit)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Tuple
+
+from third_party.cutedsl_megamoe import manifest as _manifest
 
 __all__ = ["FileEntry", "Inventory", "PackageDiff", "diff_inventories", "inventory_of_tree", "inventory_from_manifest"]
 
@@ -21,39 +21,22 @@ class FileEntry:
 Inventory = Dict[str, FileEntry]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def inventory_of_tree(tree_root: Path) -> Inventory:
-    """Every regular file under the tree root (caches and Bazel's own files excluded)."""
+    """Every drop file under the tree root, with its size.
+
+    Which files make up a drop (Bazel's added files and byte-code caches left
+    out) and their digests come from the manifest generator, the one
+    definition shared with the committed manifests and their test.
+    """
     root = Path(tree_root)
-    out: Inventory = {}
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if not path.is_file() or _ignored(rel):
-            continue
-        out[rel.as_posix()] = FileEntry(path.stat().st_size, _sha256(path))
-    return out
-
-
-# Files that appear next to an extracted tree but are not part of the drop:
-# bytecode caches, and what Bazel writes into an external repository root.
-_IGNORED_TOP = {"BUILD", "BUILD.bazel", "WORKSPACE", "WORKSPACE.bazel", "REPO.bazel", "MODULE.bazel", "carrier.json"}
-
-
-def _ignored(rel: Path) -> bool:
-    if "__pycache__" in rel.parts or rel.suffix == ".pyc":
-        return True
-    return len(rel.parts) == 1 and rel.name in _IGNORED_TOP
+    return {
+        rel: FileEntry((root / rel).stat().st_size, digest)
+        for rel, digest in _manifest.file_digests(root).items()
+    }
 
 
 def inventory_from_manifest(manifest: Mapping) -> Inventory:
-    """Read a committed manifest: {"files": {path: {"sha256", "size"}}} or {path: sha256}."""
+    """A committed manifest ({"files": {path: sha256}}) as an inventory; sizes unknown (-1)."""
     files = manifest.get("files", manifest)
     out: Inventory = {}
     for rel, value in files.items():
@@ -65,7 +48,7 @@ def inventory_from_manifest(manifest: Mapping) -> Inventory:
 
 
 def load_manifest_file(path: Path) -> Inventory:
-    return inventory_from_manifest(json.loads(Path(path).read_text(encoding="utf-8")))
+    return inventory_from_manifest(_manifest.load_manifest(path))
 
 
 def package_of(rel: str) -> str:
@@ -110,9 +93,3 @@ def diff_inventories(old: Inventory, new: Inventory) -> List[PackageDiff]:
 
 def totals(inv: Inventory) -> Tuple[int, int]:
     return len(inv), sum(max(e.size, 0) for e in inv.values())
-
-
-def manifest_json(inv: Inventory, extra: Optional[dict] = None) -> dict:
-    data = dict(extra or {})
-    data["files"] = {rel: {"sha256": e.sha256, "size": e.size} for rel, e in sorted(inv.items())}
-    return data

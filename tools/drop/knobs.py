@@ -289,7 +289,18 @@ def _literal_with_consts(node: ast.expr, consts: Dict[str, object]):
     return literal_or_none(node)
 
 
-def judge_value(value, constraints: List[Constraint], table: Optional[Tuple[Set, List[str]]]) -> KnobVerdict:
+def judge_value(
+    value,
+    constraints: List[Constraint],
+    table: Optional[Tuple[Set, List[str]]],
+    default: Optional[Tuple[object, str]] = None,
+) -> KnobVerdict:
+    """ok / break / unchecked for one knob value.
+
+    `default` is (literal default, where) of the constructor parameter: the
+    value the kernel runs with when the shim passes nothing is accepted by
+    definition.
+    """
     v = freeze(value)
     for c in constraints:
         if c.allowed is not None and v not in c.allowed:
@@ -299,6 +310,8 @@ def judge_value(value, constraints: List[Constraint], table: Optional[Tuple[Set,
     allowed_by = [c.where for c in constraints if c.allowed is not None]
     if allowed_by:
         return KnobVerdict("ok", "accepted by " + "; ".join(allowed_by))
+    if default is not None and freeze(default[0]) == v:
+        return KnobVerdict("ok", f"the constructor's default ({default[1]})")
     if table is not None and v in table[0]:
         return KnobVerdict("ok", "used by the drop's table " + ", ".join(table[1]))
-    return KnobVerdict("unchecked", "no Literal, membership check or heuristic-table use in the drop")
+    return KnobVerdict("unchecked", "no Literal, membership check, constructor default or heuristic-table use decides it")

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 from tools.drop.trees import Tree
 
-__all__ = ["PinError", "workspace_bzl", "manifest_path", "read_pins", "rewrite_pins"]
+__all__ = ["PinError", "workspace_bzl", "read_pins", "read_pins_file", "rewrite_pins"]
 
 
 class PinError(RuntimeError):
@@ -23,10 +23,6 @@ class PinError(RuntimeError):
 
 def workspace_bzl(repo_root: Path) -> Path:
     return Path(repo_root) / "third_party" / "cutedsl_megamoe" / "workspace.bzl"
-
-
-def manifest_path(repo_root: Path, tree: Tree) -> Path:
-    return Path(repo_root) / "third_party" / "cutedsl_megamoe" / f"{tree.name}.manifest.json"
 
 
 def _pattern(tree: Tree, key: str) -> "re.Pattern[str]":
