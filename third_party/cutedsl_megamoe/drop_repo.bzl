@@ -1,0 +1,185 @@
+"""Repository rule: one sub-tree of a CuTe DSL MegaMoE kernel drop, fetched by hash.
+
+The drops ship inside the `flashinfer-python` wheel (the carrier). The rule gives http_archive's
+guarantees for a file that is resolved by pip instead of by URL:
+
+  1. find the carrier: first in Bazel's repository cache (content-addressed by the pinned
+     sha256, so a wheel verified once on this machine is reused with no network at all), else
+     `python3 -m pip download --no-deps --only-binary=:all: flashinfer-python==VERSION`. pip reads
+     its own index configuration (pip.conf, PIP_* variables): no registry host is written here;
+  2. hash the wheel and compare with the pin BEFORE anything is extracted; a mismatch fails the
+     build and prints both hashes and the update recipe;
+  3. extract only `strip_prefix` (one kernel tree) as the repository root, add the BUILD file
+     from third_party/cutedsl_megamoe/ and `carrier.json` (what was fetched, for the tests).
+
+The pins themselves live in workspace.bzl. The drop's files are never edited.
+"""
+
+CARRIER = "flashinfer-python"
+
+# Files this rule adds at the repository root. Everything else in the repository is the drop,
+# byte for byte; manifest.py leaves these out of the per-file manifest.
+ADDED_FILES = ["BUILD.bazel", "WORKSPACE", "carrier.json"]
+
+_RECIPE = """To take a new drop on purpose, update the pin and the manifest together:
+  bazel run //tools:drop -- bump --tree {tree} --version NEW_VERSION
+or by hand: set {tree_upper}_VERSION / {tree_upper}_SHA256 in third_party/cutedsl_megamoe/workspace.bzl
+(sha256 of the wheel: `python3 -m pip download --no-deps --only-binary=:all: {carrier}==NEW_VERSION -d /tmp/w
+&& sha256sum /tmp/w/*.whl`), then `bazel run //third_party/cutedsl_megamoe:manifest -- --write {tree}`."""
+
+def _recipe(ctx):
+    return _RECIPE.format(tree = ctx.attr.tree, tree_upper = ctx.attr.tree.upper(), carrier = CARRIER)
+
+def _find_python(ctx):
+    explicit = ctx.os.environ.get("MOE_EP_PYTHON")
+    if explicit:
+        return ctx.path(explicit) if explicit.startswith("/") else ctx.which(explicit)
+    for name in ["python3.11", "python3"]:
+        found = ctx.which(name)
+        if found:
+            return found
+    fail("cutedsl_megamoe_drop: no python3 on PATH (needed to run `pip download`); set MOE_EP_PYTHON")
+
+def _canonical_id(ctx):
+    # Cache hits are restricted to entries stored under the same id: the pinned version.
+    return "%s==%s" % (CARRIER, ctx.attr.version)
+
+def _sha256_of(ctx, path, output):
+    """Copies `path` to `output` and returns the copy's sha256 (Bazel hashes what it downloads)."""
+    return ctx.download(url = "file://" + str(path), output = output).sha256
+
+def _fetch_carrier(ctx, carrier_zip):
+    """Puts the pinned wheel at `carrier_zip` (named .zip so that extract() treats it as one)."""
+    want = ctx.attr.sha256
+
+    # 1. Repository cache. On a hit Bazel never touches the URL; on a miss the URL does not exist
+    #    and allow_fail turns the miss into success = False.
+    cached = ctx.download(
+        url = "file://" + str(ctx.path("_carrier/not-in-repository-cache.whl")),
+        output = carrier_zip,
+        sha256 = want,
+        canonical_id = _canonical_id(ctx),
+        allow_fail = True,
+    )
+    if cached.success:
+        return "repository cache"
+
+    # 2. pip, with pip's own configuration.
+    ctx.report_progress("pip download %s==%s" % (CARRIER, ctx.attr.version))
+    python = _find_python(ctx)
+    dest = ctx.path("_carrier")
+    res = ctx.execute(
+        [
+            python,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--no-input",
+            "--disable-pip-version-check",
+            "--dest",
+            str(dest),
+            "%s==%s" % (CARRIER, ctx.attr.version),
+        ],
+        timeout = 1800,
+    )
+    if res.return_code != 0:
+        fail("cutedsl_megamoe_drop(%s): `pip download %s==%s` failed (exit %d):\n%s\n%s" % (
+            ctx.attr.tree,
+            CARRIER,
+            ctx.attr.version,
+            res.return_code,
+            res.stdout,
+            res.stderr,
+        ))
+    wheels = [f for f in dest.readdir() if f.basename.endswith(".whl")]
+    if len(wheels) != 1:
+        fail("cutedsl_megamoe_drop(%s): expected exactly one wheel from pip, got %s" % (
+            ctx.attr.tree,
+            [f.basename for f in dest.readdir()],
+        ))
+
+    # 3. Verify before anything is extracted.
+    got = _sha256_of(ctx, wheels[0], carrier_zip)
+    if got != want:
+        fail("""
+================================================================================
+cutedsl_megamoe_drop(%s): CARRIER HASH MISMATCH, nothing was extracted.
+  carrier:  %s==%s (%s)
+  pinned:   sha256 %s
+  received: sha256 %s
+The file pip resolved is not the pinned drop. If this is unexpected, stop: the index served
+different bytes under the same version. %s
+================================================================================""" % (
+            ctx.attr.tree,
+            CARRIER,
+            ctx.attr.version,
+            wheels[0].basename,
+            want,
+            got,
+            _recipe(ctx),
+        ))
+
+    # Fill the repository cache with the verified file, so the next fetch needs no network.
+    ctx.download(
+        url = "file://" + str(ctx.path(carrier_zip)),
+        output = "_carrier/verified.zip",
+        sha256 = want,
+        canonical_id = _canonical_id(ctx),
+    )
+    ctx.delete("_carrier")
+    return "pip: " + wheels[0].basename
+
+def _cutedsl_megamoe_drop_impl(ctx):
+    carrier_zip = "_carrier.zip"
+    source = _fetch_carrier(ctx, carrier_zip)
+
+    # The hash is known good here: (re)compute it on the exact bytes being extracted anyway, so
+    # a corrupted repository-cache entry cannot slip through.
+    got = _sha256_of(ctx, ctx.path(carrier_zip), "_carrier_check.zip")
+    ctx.delete("_carrier_check.zip")
+    if got != ctx.attr.sha256:
+        fail("cutedsl_megamoe_drop(%s): carrier sha256 %s != pinned %s (from %s). %s" % (
+            ctx.attr.tree,
+            got,
+            ctx.attr.sha256,
+            source,
+            _recipe(ctx),
+        ))
+
+    ctx.report_progress("extracting %s" % ctx.attr.strip_prefix)
+    ctx.extract(carrier_zip, stripPrefix = ctx.attr.strip_prefix)
+    ctx.delete(carrier_zip)
+
+    for name in ADDED_FILES:
+        if ctx.path(name).exists:
+            fail("cutedsl_megamoe_drop(%s): the drop itself has a top-level %s; this rule would " % (
+                ctx.attr.tree,
+                name,
+            ) + "overwrite it. Rename the rule's added files in drop_repo.bzl and manifest.py.")
+
+    ctx.template("BUILD.bazel", ctx.attr.build_file, executable = False)
+    ctx.file("WORKSPACE", "workspace(name = \"%s\")\n" % ctx.name, executable = False)
+    ctx.file("carrier.json", json.encode_indent({
+        "carrier": CARRIER,
+        "carrier_sha256": got,
+        "fetched_from": source.split(":")[0],
+        "repository": ctx.name,
+        "strip_prefix": ctx.attr.strip_prefix,
+        "tree": ctx.attr.tree,
+        "version": ctx.attr.version,
+    }) + "\n", executable = False)
+
+cutedsl_megamoe_drop = repository_rule(
+    implementation = _cutedsl_megamoe_drop_impl,
+    attrs = {
+        "build_file": attr.label(mandatory = True, allow_single_file = True),
+        "sha256": attr.string(mandatory = True, doc = "sha256 of the carrier wheel"),
+        "strip_prefix": attr.string(mandatory = True, doc = "the one sub-tree of the wheel to keep"),
+        "tree": attr.string(mandatory = True, values = ["sm90", "sm100"]),
+        "version": attr.string(mandatory = True, doc = "flashinfer-python version"),
+    },
+    environ = ["MOE_EP_PYTHON"],
+    doc = "One kernel tree of a CuTe DSL MegaMoE drop, from the pinned flashinfer-python wheel.",
+)

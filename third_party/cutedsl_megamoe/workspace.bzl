@@ -1,0 +1,42 @@
+"""Pins of the CuTe DSL MegaMoE kernel drops: one external repository per kernel tree.
+
+Carrier: the flashinfer-python wheel (Apache-2.0), resolved through pip's own index configuration.
+SHA256 is the sha256 of that wheel file. Each tree is pinned on its own so that Hopper and
+Blackwell can move to a new drop independently.
+
+Update recipe (one pin = one VERSION line + one SHA256 line; tools/drop rewrites exactly these):
+  bazel run //tools:drop -- bump --tree sm90 --version X   # or edit the two lines, then
+  bazel run //third_party/cutedsl_megamoe:manifest -- --write sm90
+"""
+
+load("//third_party/cutedsl_megamoe:drop_repo.bzl", "cutedsl_megamoe_drop")
+
+# Hopper (sm90): flashinfer/moe_ep/kernel_src/sm90/pull_style_cutedsl_megakernel/src/
+SM90_VERSION = "0.7.2.post1"
+SM90_SHA256 = "bfdc18b9e1e4d8d0730fe4343dc0e284cd0c160086de80f99888bc4867922d49"
+
+# Blackwell (sm100): flashinfer/moe_ep/kernel_src/sm100/cutedsl_megamoe/src/
+SM100_VERSION = "0.7.2.post1"
+SM100_SHA256 = "bfdc18b9e1e4d8d0730fe4343dc0e284cd0c160086de80f99888bc4867922d49"
+
+SM90_STRIP_PREFIX = "flashinfer/moe_ep/kernel_src/sm90/pull_style_cutedsl_megakernel/src"
+SM100_STRIP_PREFIX = "flashinfer/moe_ep/kernel_src/sm100/cutedsl_megamoe/src"
+
+def repo():
+    """Declares @cutedsl_megamoe_sm90 and @cutedsl_megamoe_sm100."""
+    cutedsl_megamoe_drop(
+        name = "cutedsl_megamoe_sm90",
+        tree = "sm90",
+        version = SM90_VERSION,
+        sha256 = SM90_SHA256,
+        strip_prefix = SM90_STRIP_PREFIX,
+        build_file = "//third_party/cutedsl_megamoe:sm90.BUILD",
+    )
+    cutedsl_megamoe_drop(
+        name = "cutedsl_megamoe_sm100",
+        tree = "sm100",
+        version = SM100_VERSION,
+        sha256 = SM100_SHA256,
+        strip_prefix = SM100_STRIP_PREFIX,
+        build_file = "//third_party/cutedsl_megamoe:sm100.BUILD",
+    )
