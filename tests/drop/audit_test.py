@@ -227,3 +227,7 @@ def test_reports_render(world, tmp_path):
     for out in (text, md):
         assert "select_heuristic_config" in out and "SHIM WOULD BREAK" in out
     assert "| shim | form | module |" in md
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -181,3 +181,7 @@ def test_pinned_tree_from_cache_is_hash_checked(bump_world):
     bzl = repo / "third_party" / "cutedsl_megamoe" / "workspace.bzl"
     bzl.write_text(rewrite_pins(bzl.read_text(), SM90, "1.0", SHA_B))
     assert cli.main(["--repo", str(repo), "--cache-dir", str(cache), "audit", "--tree", "sm90", "--report", "-"]) == 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -95,3 +95,7 @@ def test_strings_and_similar_names_are_not_imports(tmp_path):
         "moe_ep/core/names.py": "from moe_ep.core import registry\nshim_name = 'shim.sm90'\n",
     })
     assert _found(repo) == []
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
