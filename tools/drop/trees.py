@@ -90,15 +90,10 @@ def find_repo_root(start: Optional[Path] = None) -> Path:
 
 def runfiles_tree_root(tree: Tree) -> Optional[Path]:
     """The pinned tree as a Bazel external repo in this process's runfiles, if any."""
-    roots = []
-    for var in ("RUNFILES_DIR", "TEST_SRCDIR"):
-        if os.environ.get(var):
-            roots.append(Path(os.environ[var]))
-    here = Path(__file__).resolve()
-    for parent in Path(__file__).absolute().parents:
-        if parent.name.endswith(".runfiles"):
-            roots.append(parent)
-    del here
+    roots = [Path(os.environ[var]) for var in ("RUNFILES_DIR", "TEST_SRCDIR") if os.environ.get(var)]
+    # Not resolved: the runfiles tree is made of symlinks, and resolving would
+    # leave it for the source checkout.
+    roots += [parent for parent in Path(__file__).absolute().parents if parent.name.endswith(".runfiles")]
     for root in roots:
         candidate = root / tree.bazel_repo
         if candidate.is_dir() and package_dirs(candidate):
