@@ -12,13 +12,14 @@ from typing import Optional
 
 import torch
 
+from moe_ep.reference import quant
 from shim.common.frontend import H200_SM_COUNT, MegaMoEFrontend
 from shim.sm90 import fp8_weights
 from shim.sm90.knobs import SCALE_MODES, Fp8Knobs, InvalidKnobsError, resolve_knobs
 
 __all__ = ["Sm90Fp8Frontend", "H200_SM_COUNT"]
 
-ACT_BLOCK = 128
+ACT_BLOCK = quant.FP8_ACT_BLOCK_K
 
 
 def _round_up(x: int, m: int) -> int:
@@ -79,15 +80,15 @@ class Sm90Fp8Frontend(MegaMoEFrontend):
         return [("act", (c, h), torch.float8_e4m3fn), ("act_sf", (c, _round_up(h // ACT_BLOCK, 4)), torch.float32)]
 
     def stage_activations(self, x: torch.Tensor) -> None:
+        # moe_ep's reference quantizer: the oracle re-derives the same bytes from the same bf16 input.
         t, h = x.shape
-        blocks = x.view(t, h // ACT_BLOCK, ACT_BLOCK).float()
-        scale = (blocks.abs().amax(dim=-1) / fp8_weights.FP8_MAX).clamp_(min=fp8_weights.SCALE_FLOOR)
-        q = (blocks / scale.unsqueeze(-1)).to(torch.float8_e4m3fn)
-        self.act[:t].view(torch.uint8).copy_(q.view(t, h).view(torch.uint8))
+        q, scale = quant.fp8_quantize_rows(x, ACT_BLOCK, reciprocal=False)
+        self.act[:t].view(torch.uint8).copy_(q.view(torch.uint8))
         self.act_sf[:t, : h // ACT_BLOCK].copy_(scale)
 
     def prepare_weights(self, w13, w2):
-        return fp8_weights.prepare_fp8_block_weights(w13, w2, self.device)
+        return fp8_weights.prepare_fp8_block_weights(w13, w2, self.device,
+                                                     expert_offset=self.rank * self.experts_per_rank)
 
     def activation_args(self, b, rows: int):
         return dict(activation=b.tensor(self.act[:rows]), activation_sf=b.tensor(self.act_sf[:rows]))

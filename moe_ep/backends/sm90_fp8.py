@@ -1,0 +1,71 @@
+"""`sm90_fp8_cutedsl`: the Hopper FP8 (blockwise) MegaMoE kernel behind the moe_ep backend contract."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from moe_ep.core.backend import Backend
+from moe_ep.core.weights import ExpertWeights, QuantizedWeights
+
+__all__ = ["Sm90Fp8Backend"]
+
+
+class Sm90Fp8Backend(Backend):
+    name = "sm90_fp8_cutedsl"
+    arch = "sm90"
+    weight_formats = ("fp8_block",)
+
+    def __init__(self, spec, ctx, fmt: Optional[str] = None, *, knobs=None, max_active_clusters=None,
+                 knob_cache_key: Optional[str] = None):
+        super().__init__(spec, ctx, fmt)
+        from shim.common.knob_cache import cache_key
+        from shim.sm90.fp8_frontend import Sm90Fp8Frontend
+
+        e_local = spec.experts_per_rank(ctx.world_size)
+        key = knob_cache_key or cache_key(
+            arch="sm90", fmt=self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
+            experts_per_rank=e_local, top_k=spec.top_k, world_size=ctx.world_size,
+            capacity=spec.max_tokens_per_rank)
+        self.frontend = Sm90Fp8Frontend(
+            fmt=self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size, experts_per_rank=e_local,
+            top_k=spec.top_k, capacity=spec.max_tokens_per_rank, rank=ctx.rank, world_size=ctx.world_size,
+            group=ctx.group, device=ctx.device, knobs=knobs, gate_up_clamp=spec.gate_up_clamp,
+            knob_cache_key=key, max_active_clusters=max_active_clusters)
+        self._last_t = 0
+
+    @classmethod
+    def check_spec(cls, spec, fmt: str, world_size: int) -> List[Tuple[str, str]]:
+        problems = list(super().check_spec(spec, fmt, world_size))
+        if fmt not in cls.weight_formats:
+            problems.append(("fmt", f"{cls.name} serves {cls.weight_formats}; fp8_tensor needs static "
+                                    "activation scales this kernel path does not take"))
+        for name, value in (("hidden_size", spec.hidden_size), ("intermediate_size", spec.intermediate_size)):
+            if value % 128:
+                problems.append((name, f"must be a multiple of 128 for the blockwise FP8 kernel, got {value}"))
+        return problems
+
+    @property
+    def knobs(self):
+        return self.frontend.knobs
+
+    def prepare_weights(self, weights: ExpertWeights) -> None:
+        self.frontend.load_weights(weights.w13, weights.w2)
+        self.frontend.compile()
+
+    def forward(self, hidden, topk_idx, topk_weights, out):
+        self._last_t = hidden.shape[0]
+        return self.frontend.forward(hidden, topk_idx, topk_weights, out)
+
+    def oracle_weights(self) -> QuantizedWeights:
+        return self.frontend.weights.canonical
+
+    def staged_activation(self):
+        from moe_ep.reference.quant import QuantizedActivation
+
+        q, s = self.frontend.staged_activation(self._last_t)
+        return QuantizedActivation("fp8_block", q, s)
+
+    def close(self) -> None:
+        self.frontend.close()
