@@ -72,7 +72,7 @@ def render_docs(
     classes = contract_mod.kernel_classes(index, lazy)
     recorded = set((contract or {}).get("classes", {}))
     if not classes:
-        out.append("None named in the shim's `_LAZY` table yet.")
+        out += ["None named in the shim's `_LAZY` table yet.", ""]
     for name, info in sorted(classes.items()):
         mro = " -> ".join(f"{n.name}" for _, n in index.mro(info["module"], info["node"]))
         out += [
