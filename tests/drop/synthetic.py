@@ -110,6 +110,9 @@ BASE_DROP: Dict[str, str] = {
 
         class Sm90MegaMoESwapABFp8Kernel(Sm90MegaMoEFp8Kernel):
             pass
+
+
+        raise ImportError("the audit reads the drop as source; it must never import it")
         """
     ),
     "moe_nvfp4_swapab/__init__.py": "",
@@ -135,6 +138,9 @@ KERNEL_SYMBOLS = textwrap.dedent(
         import importlib
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
+
+
+    raise ImportError("the audit reads the shim as source; it must never import it")
     '''
 )
 
