@@ -1,0 +1,73 @@
+"""The backend contract. One Backend instance per MoELayer; the layer validates every input first, so
+forward() may assume well-formed, in-range, contiguous tensors on ctx.device."""
+
+from __future__ import annotations
+
+from typing import ClassVar, List, Optional, Tuple
+
+import torch
+
+from moe_ep.core.dist import RankContext
+from moe_ep.core.formats import FORMATS, format_violations
+from moe_ep.core.spec import MoESpec
+from moe_ep.core.weights import ExpertWeights, QuantizedWeights
+
+__all__ = ["Backend"]
+
+
+class Backend:
+    """Subclass and register (moe_ep.register_backend). Class attributes describe what it serves:
+
+    name, arch ("cpu" | "sm90" | "sm100"), weight_formats (the fmt strings it accepts; the first is its
+    default), out_dtype. check_spec() states its capacity / divisibility rules so the layer can reject a spec
+    before any workspace is allocated.
+    """
+
+    name: ClassVar[str] = "abstract"
+    arch: ClassVar[str] = "cpu"
+    weight_formats: ClassVar[Tuple[str, ...]] = FORMATS
+    out_dtype: ClassVar[torch.dtype] = torch.bfloat16
+
+    def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None, **options):
+        self.spec = spec
+        self.ctx = ctx
+        self.fmt = fmt or self.weight_formats[0]
+        self.options = options
+
+    @property
+    def act_format(self) -> str:
+        return self.fmt
+
+    @property
+    def weight_format(self) -> str:
+        return self.fmt
+
+    @classmethod
+    def check_spec(cls, spec: MoESpec, fmt: str, world_size: int) -> List[Tuple[str, str]]:
+        """(argument, message) for each rule this backend cannot meet; empty when it can serve the layer."""
+        return format_violations(fmt, spec.hidden_size, spec.intermediate_size)
+
+    def prepare_weights(self, weights: ExpertWeights) -> None:
+        """Once, at load: canonical bf16 -> the kernel-ready layout."""
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def oracle_weights(self) -> QuantizedWeights:
+        """The quantized weights forward() actually used, canonical layout, this rank's experts."""
+        raise NotImplementedError
+
+    def staged_activation(self):
+        """The quantized FC1 input of the last forward (a moe_ep.reference.quant.QuantizedActivation), or
+        None if the backend does not keep it; the oracle then quantizes the bf16 input itself."""
+        return None
+
+    @property
+    def apply_topk_in_fc1(self) -> bool:
+        """Whether routing weights are folded into the SwiGLU output before the FC2-input quantization."""
+        return True
+
+    def close(self) -> None:
+        pass

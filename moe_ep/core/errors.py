@@ -1,0 +1,119 @@
+"""Typed errors of moe_ep.
+
+Every error raised for a bad argument names that argument (``err.argument``) and says what was expected,
+so a caller can tell a wrong dtype from a wrong shape without parsing text. Each one also subclasses the
+builtin a Python caller would reach for (TypeError for dtypes, ValueError for values and shapes,
+RuntimeError for process-group state), so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+__all__ = [
+    "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError",
+    "NonContiguousError", "ExpertIndexError", "CapacityError", "SpecError", "FormatError",
+    "CalibrationError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
+    "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError",
+]
+
+
+class MoEError(Exception):
+    """Base of every moe_ep error. ``argument`` is the offending argument's name (or None)."""
+
+    def __init__(self, argument: Optional[str], message: str):
+        self.argument = argument
+        self.detail = message
+        text = f"argument '{argument}': {message}" if argument else message
+        super().__init__(text)
+
+    def __reduce__(self):  # keep the argument when an error crosses a process boundary
+        return (_rebuild, (type(self), self.argument, self.detail, self.__dict__))
+
+
+def _rebuild(cls, argument, detail, state):
+    err = cls.__new__(cls)
+    MoEError.__init__(err, argument, detail)
+    err.__dict__.update(state)
+    return err
+
+
+class InputError(MoEError, ValueError):
+    """A forward() input is unusable. Local to one rank: the layer turns it into a collective decision."""
+
+
+class DTypeError(InputError, TypeError):
+    pass
+
+
+class ShapeError(InputError):
+    pass
+
+
+class TopKMismatchError(ShapeError):
+    """topk_idx / topk_weights do not carry the spec's top_k, or disagree with each other."""
+
+
+class DeviceError(InputError):
+    pass
+
+
+class NonContiguousError(InputError):
+    pass
+
+
+class ExpertIndexError(InputError):
+    """An expert id is negative or >= num_experts."""
+
+
+class CapacityError(InputError):
+    """More tokens than the workspace was sized for (max_tokens_per_rank)."""
+
+
+class SpecError(MoEError, ValueError):
+    """The layer description is inconsistent (sizes, clamp, a backend's divisibility rule)."""
+
+
+class FormatError(MoEError, ValueError):
+    """An unknown quantization format, or one the chosen backend does not serve."""
+
+
+class CalibrationError(MoEError, ValueError):
+    """A statically scaled format (fp8_tensor, nvfp4) was asked for without activation calibration."""
+
+
+class WorldSizeError(MoEError, ValueError):
+    pass
+
+
+class WeightsRankError(MoEError, ValueError):
+    """The weight pack was built for another rank, world size or expert count."""
+
+
+class ProcessGroupError(MoEError, RuntimeError):
+    pass
+
+
+class PeerValidationError(MoEError, RuntimeError):
+    """Raised on the ranks whose own inputs were fine when another rank's were not.
+
+    ``ranks`` lists the failing ranks; ``reasons`` maps rank -> that rank's error text (when known).
+    """
+
+    def __init__(self, argument: Optional[str], message: str, ranks: Sequence[int] = (), reasons=None):
+        self.ranks = tuple(ranks)
+        self.reasons = dict(reasons or {})
+        super().__init__(argument, message)
+
+
+class BackendNotFoundError(MoEError, KeyError):
+    def __str__(self):  # KeyError would repr() the message
+        return self.args[0] if self.args else ""
+
+
+class BackendUnavailableError(MoEError, RuntimeError):
+    """A registered backend cannot be loaded here (module missing, import failure, wrong arch)."""
+
+
+class OracleMismatchError(MoEError, AssertionError):
+    """A backend's output or weights disagree with the torch oracle beyond the format's tolerance."""

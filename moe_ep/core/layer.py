@@ -1,0 +1,133 @@
+"""MoELayer: one fused EP MoE forward per call, tokens in, combined expert outputs out, on every rank."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moe_ep.core import registry
+from moe_ep.core.dist import RankContext, run_agreed
+from moe_ep.core.errors import DTypeError, FormatError
+from moe_ep.core.formats import check_format
+from moe_ep.core.spec import MoESpec
+from moe_ep.core.validate import validate_forward, validate_spec_for_backend, validate_weights
+from moe_ep.core.weights import ExpertWeights, QuantizedWeights
+
+__all__ = ["MoELayer"]
+
+
+class MoELayer:
+    """An expert-parallel MoE layer over a process group.
+
+    backend: None / "auto" picks by the device's arch (and fmt, if given); or a registered name.
+    fmt: the quantization format (see moe_ep.FORMATS); None takes the backend's default.
+    check_values: check expert ids are in range on every call (one device sync on GPU).
+    collective_checks: agree on validation across ranks before the data collectives, so a bad input on one
+      rank raises everywhere instead of stranding the others (one tiny all_reduce per call).
+    backend_options: passed to the backend's constructor.
+
+    Construction and every call are collective: all ranks of the group must take part.
+    """
+
+    def __init__(self, spec: MoESpec, weights: ExpertWeights, backend: Optional[str] = None, *, group=None,
+                 device=None, fmt: Optional[str] = None, check_values: bool = True, collective_checks: bool = True,
+                 **backend_options):
+        if not isinstance(spec, MoESpec):
+            raise DTypeError("spec", f"expected moe_ep.MoESpec, got {type(spec).__name__}")
+        ctx = RankContext.from_group(group, device)
+        self.spec = spec
+        self.ctx = ctx
+        self.check_values = check_values
+        self.collective_checks = collective_checks
+        self._backend = None
+
+        def resolve():
+            if backend is None or backend == "auto":
+                entry = registry.select_backend(registry.detect_arch(ctx.device), fmt)
+            else:
+                entry = registry.get_entry(backend)
+            f = entry.default_format if fmt is None else check_format(fmt)
+            if f not in entry.formats:
+                raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {f!r}")
+            cls = registry.resolve_backend(entry.name)
+            validate_weights(spec, weights, ctx, f)
+            validate_spec_for_backend(spec, cls, f, ctx.world_size)
+            return entry, cls, f
+
+        entry, cls, f = run_agreed(ctx, resolve, "layer arguments")
+        self.backend_name = entry.name
+        self.fmt = f
+        self._backend = cls(spec, ctx, fmt=f, **backend_options)
+        self._backend.prepare_weights(weights)
+
+    # -- properties ----------------------------------------------------------------------------------------
+    @property
+    def backend(self):
+        if self._backend is None:
+            raise RuntimeError("the layer is closed")
+        return self._backend
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def capacity(self) -> int:
+        return self.spec.max_tokens_per_rank
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.spec.num_experts // self.ctx.world_size
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def __call__(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.forward(hidden, topk_idx, topk_weights, out)
+
+    def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden [T, H] bf16, topk_idx [T, K] int64/int32, topk_weights [T, K] fp32 -> [T, H] bf16 (written
+        into out when given). T may differ per rank and may be 0; T <= max_tokens_per_rank."""
+        backend = self.backend
+
+        def check():
+            return validate_forward(self.spec, self.ctx, hidden, topk_idx, topk_weights, out, self.check_values)
+
+        if self.collective_checks:
+            t = run_agreed(self.ctx, check, "forward() inputs")
+        else:
+            t = check()
+        if out is None:
+            out = torch.empty((t, self.spec.hidden_size), dtype=torch.bfloat16, device=self.ctx.device)
+        return backend.forward(hidden, topk_idx, topk_weights, out)
+
+    def oracle_weights(self) -> QuantizedWeights:
+        return self.backend.oracle_weights()
+
+    def close(self) -> None:
+        if self._backend is not None:
+            try:
+                self._backend.close()
+            finally:
+                self._backend = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        return (f"MoELayer(backend={getattr(self, 'backend_name', '?')!r}, fmt={getattr(self, 'fmt', '?')!r}, "
+                f"rank={self.ctx.rank}/{self.ctx.world_size}, spec={self.spec})")
+

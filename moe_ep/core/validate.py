@@ -1,0 +1,117 @@
+"""Local (one-rank) checks. They raise typed errors naming the argument; the layer runs them and then agrees
+with the other ranks (dist.agree) before any data collective, so a bad rank never strands the others."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_ep.core.dist import RankContext
+from moe_ep.core.errors import (CapacityError, DeviceError, DTypeError, NonContiguousError, ExpertIndexError,
+                                ShapeError, SpecError, TopKMismatchError, WeightsRankError, WorldSizeError)
+from moe_ep.core.formats import format_info
+from moe_ep.core.spec import MoESpec
+from moe_ep.core.weights import ExpertWeights
+
+__all__ = ["validate_weights", "validate_spec_for_backend", "validate_forward"]
+
+_IDX_DTYPES = (torch.int64, torch.int32)
+
+
+def _tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise DTypeError(name, f"expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise DeviceError(name, f"expected a tensor on {device} (the layer's device), got {t.device}")
+
+
+def validate_weights(spec: MoESpec, weights: ExpertWeights, ctx: RankContext, fmt: str) -> None:
+    if not isinstance(weights, ExpertWeights):
+        raise DTypeError("weights", f"expected moe_ep.ExpertWeights, got {type(weights).__name__}")
+    if spec.num_experts % ctx.world_size:
+        raise WorldSizeError("world_size", f"the group's world size {ctx.world_size} does not divide "
+                                           f"num_experts={spec.num_experts}")
+    if weights.num_experts != spec.num_experts:
+        raise WeightsRankError("weights", f"built for num_experts={weights.num_experts}, spec has {spec.num_experts}")
+    if weights.world_size != ctx.world_size:
+        raise WeightsRankError("weights", f"built for world_size={weights.world_size}, the group has "
+                                          f"{ctx.world_size} ranks")
+    if weights.rank != ctx.rank:
+        raise WeightsRankError("weights", f"built for rank {weights.rank} (experts "
+                                          f"{weights.expert_offset}..{weights.expert_offset + weights.experts_per_rank - 1})"
+                                          f", this is rank {ctx.rank}")
+    e_local = spec.num_experts // ctx.world_size
+    h, i = spec.hidden_size, spec.intermediate_size
+    if tuple(weights.w13.shape) != (e_local, 2 * i, h):
+        raise ShapeError("weights.w13", f"expected [{e_local}, {2 * i}, {h}] ([E_local, 2*I, H]), "
+                                        f"got {list(weights.w13.shape)}")
+    if tuple(weights.w2.shape) != (e_local, h, i):
+        raise ShapeError("weights.w2", f"expected [{e_local}, {h}, {i}] ([E_local, H, I]), got {list(weights.w2.shape)}")
+    if format_info(fmt).static_activation_scales:
+        from moe_ep.core.errors import CalibrationError
+
+        for name in ("act_amax", "fc2_act_amax"):
+            if getattr(weights, name) is None:
+                raise CalibrationError(f"weights.{name}", f"fmt {fmt!r} uses static activation scales; "
+                                                          f"pass ExpertWeights({name}=...) from calibration")
+
+
+def validate_spec_for_backend(spec: MoESpec, backend_cls, fmt: str, world_size: int) -> None:
+    problems = backend_cls.check_spec(spec, fmt, world_size)
+    if problems:
+        arg, msg = problems[0]
+        raise SpecError(arg, f"{msg} (backend {backend_cls.name!r})")
+
+
+def validate_forward(spec: MoESpec, ctx: RankContext, hidden, topk_idx, topk_weights, out=None,
+                     check_values: bool = True) -> int:
+    """Returns T. Checks type, device, dtype, shape, contiguity, top_k, capacity, then expert-id range."""
+    hidden = _tensor("hidden", hidden)
+    topk_idx = _tensor("topk_idx", topk_idx)
+    topk_weights = _tensor("topk_weights", topk_weights)
+    for name, t in (("hidden", hidden), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        _same_device(name, t, ctx.device)
+    if hidden.dtype != torch.bfloat16:
+        raise DTypeError("hidden", f"expected dtype torch.bfloat16, got {hidden.dtype}")
+    if topk_idx.dtype not in _IDX_DTYPES:
+        raise DTypeError("topk_idx", f"expected dtype torch.int64 or torch.int32, got {topk_idx.dtype}")
+    if topk_weights.dtype != torch.float32:
+        raise DTypeError("topk_weights", f"expected dtype torch.float32, got {topk_weights.dtype}")
+    if hidden.dim() != 2 or hidden.shape[1] != spec.hidden_size:
+        raise ShapeError("hidden", f"expected [T, {spec.hidden_size}], got {list(hidden.shape)}")
+    t = hidden.shape[0]
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != t:
+        raise ShapeError("topk_idx", f"expected [{t}, {spec.top_k}] ([T, top_k], T from hidden), "
+                                     f"got {list(topk_idx.shape)}")
+    if topk_idx.shape[1] != spec.top_k:
+        raise TopKMismatchError("topk_idx", f"expected top_k={spec.top_k} columns, got {topk_idx.shape[1]}")
+    if tuple(topk_weights.shape) != tuple(topk_idx.shape):
+        raise TopKMismatchError("topk_weights", f"expected the shape of topk_idx {list(topk_idx.shape)}, "
+                                                f"got {list(topk_weights.shape)}")
+    for name, x in (("hidden", hidden), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
+        if not x.is_contiguous():
+            raise NonContiguousError(name, f"expected a contiguous tensor, got strides {list(x.stride())}")
+    if t > spec.max_tokens_per_rank:
+        raise CapacityError("hidden", f"{t} tokens exceed max_tokens_per_rank={spec.max_tokens_per_rank} "
+                                      f"(the capacity fixed when the layer was built)")
+    if out is not None:
+        out = _tensor("out", out)
+        _same_device("out", out, ctx.device)
+        if out.dtype != torch.bfloat16:
+            raise DTypeError("out", f"expected dtype torch.bfloat16, got {out.dtype}")
+        if tuple(out.shape) != (t, spec.hidden_size):
+            raise ShapeError("out", f"expected [{t}, {spec.hidden_size}], got {list(out.shape)}")
+        if not out.is_contiguous():
+            raise NonContiguousError("out", f"expected a contiguous tensor, got strides {list(out.stride())}")
+    if check_values and t > 0:
+        lo = int(topk_idx.min())
+        hi = int(topk_idx.max())
+        if lo < 0:
+            raise ExpertIndexError("topk_idx", f"expert ids must be >= 0, got {lo}")
+        if hi >= spec.num_experts:
+            raise ExpertIndexError("topk_idx", f"expert ids must be < num_experts={spec.num_experts}, got {hi}")
+    return t
+

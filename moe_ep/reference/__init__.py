@@ -1,0 +1,1 @@
+"""The torch reference backend, the format quantizers and the oracle. Pure torch: runs anywhere."""

@@ -1,0 +1,109 @@
+"""torch_reference: exact EP semantics over torch.distributed (gloo on CPU, NCCL on GPU).
+
+Per call: quantize the bf16 input as the kernel stages it; send each (token, slot) row to the rank owning
+its expert (all_to_all, bytes); run FC1 -> SwiGLU -> (routing weight) -> FC2-input quantization -> FC2 per
+local expert; send the bf16 terms back; sum them on the source rank in slot order (fp32) and round to bf16.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moe_ep.core.backend import Backend
+from moe_ep.core.dist import all_to_all_rows
+from moe_ep.core.weights import ExpertWeights, QuantizedWeights
+from moe_ep.reference import quant
+from moe_ep.reference.quant import QuantizedActivation
+
+__all__ = ["TorchReferenceBackend", "combine_terms"]
+
+
+def combine_terms(terms: torch.Tensor, topk_weights: torch.Tensor, weighted: bool) -> torch.Tensor:
+    """terms [T, K, H] (bf16 values) -> [T, H] bf16: fp32 sum in slot order, as the kernels' top-k reduce.
+    weighted=True means the routing weights are already inside the terms."""
+    t, k, h = terms.shape
+    acc = torch.zeros((t, h), dtype=torch.float32, device=terms.device)
+    terms = terms.to(torch.float32)
+    for j in range(k):
+        if weighted:
+            acc = acc + terms[:, j, :]
+        else:
+            acc = torch.addcmul(acc, terms[:, j, :], topk_weights[:, j].to(torch.float32).unsqueeze(-1))
+    return acc.to(torch.bfloat16)
+
+
+class TorchReferenceBackend(Backend):
+    name = "torch_reference"
+    arch = "cpu"
+    weight_formats = ("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4")
+
+    def __init__(self, spec, ctx, fmt: Optional[str] = None, apply_topk_in_fc1: bool = True,
+                 keep_staged: bool = True):
+        super().__init__(spec, ctx, fmt)
+        self._apply_topk = bool(apply_topk_in_fc1)
+        self._keep_staged = keep_staged
+        self._qw: Optional[QuantizedWeights] = None
+        self._staged: Optional[QuantizedActivation] = None
+
+    @property
+    def apply_topk_in_fc1(self) -> bool:
+        return self._apply_topk
+
+    def prepare_weights(self, weights: ExpertWeights) -> None:
+        dev = self.ctx.device
+        self._qw = quant.quantize_weights(self.fmt, weights.w13.to(dev), weights.w2.to(dev),
+                                          act_amax=weights.act_amax, fc2_act_amax=weights.fc2_act_amax,
+                                          expert_offset=weights.expert_offset)
+
+    def oracle_weights(self) -> QuantizedWeights:
+        if self._qw is None:
+            raise RuntimeError("prepare_weights() has not run")
+        return self._qw
+
+    def staged_activation(self) -> Optional[QuantizedActivation]:
+        return self._staged
+
+    def compute_experts(self, qw: QuantizedWeights, act: QuantizedActivation, local_expert: torch.Tensor,
+                        weights: torch.Tensor) -> torch.Tensor:
+        """Received rows -> bf16 terms [N, H]. Split out so a test can subclass the compute step."""
+        n = act.q.shape[0]
+        terms = torch.empty((n, self.spec.hidden_size), dtype=torch.bfloat16, device=act.q.device)
+        for e in range(qw.num_experts):
+            sel = (local_expert == e).nonzero().squeeze(1)
+            if sel.numel() == 0:
+                continue
+            y = quant.expert_ffn(qw, e, act.rows(sel), weights[sel], self.spec.gate_up_clamp, self._apply_topk)
+            terms[sel] = y.to(torch.bfloat16)
+        return terms
+
+    def forward(self, hidden, topk_idx, topk_weights, out):
+        spec, ctx, qw = self.spec, self.ctx, self._qw
+        t, k = topk_idx.shape
+        e_local = spec.num_experts // ctx.world_size
+        act = quant.quantize_input(qw, hidden)
+        self._staged = act if self._keep_staged else None
+
+        idx = topk_idx.reshape(-1).to(torch.int64)
+        dest = torch.div(idx, e_local, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=ctx.world_size)
+        token = torch.div(order, k, rounding_mode="floor")
+        sent = act.rows(token)
+        rows = [sent.q] + ([sent.scale] if sent.scale is not None else [])
+        rows += [(idx[order] - dest[order] * e_local).to(torch.int32), topk_weights.reshape(-1)[order].contiguous()]
+        recv, recv_counts = all_to_all_rows(ctx, rows, send_counts)
+
+        r_act = QuantizedActivation(act.fmt, recv[0], recv[1] if sent.scale is not None else None)
+        terms = self.compute_experts(qw, r_act, recv[-2].to(torch.int64), recv[-1])
+
+        (back,), _ = all_to_all_rows(ctx, [terms], recv_counts)
+        per_pair = torch.empty((t * k, spec.hidden_size), dtype=torch.bfloat16, device=hidden.device)
+        per_pair[order] = back
+        out.copy_(combine_terms(per_pair.view(t, k, spec.hidden_size), topk_weights, self._apply_topk))
+        return out
+
+    def close(self) -> None:
+        self._qw = None
+        self._staged = None

@@ -1,0 +1,422 @@
+"""The quantization formats the kernels use, in plain torch, and the per-expert FC1 -> SwiGLU -> FC2 chain.
+
+Every formula mirrors the drop's own torch references (docs/reference.md lists the file and function for
+each); we re-implement rather than import because only shim/ may import the drop. Where the drop's
+reference runs a GPU-only helper (rcp.approx, ex2.approx) we use the IEEE torch op: that is the one place the
+CPU oracle can differ from the kernel by an ulp, and the oracle's tolerance absorbs it.
+
+Conventions: "raw" GEMMs multiply exactly representable fp32 values of the quantized operands and
+accumulate in fp32; scales are applied where the kernel applies them (per K block for fp8_block, after the
+full-K sum for fp8_tensor and nvfp4's alpha; mxfp8/nvfp4 block scales are folded into the operands, which is
+exact because e8m0 is a power of two and e2m1 x e4m3 fits in fp32's mantissa).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from moe_ep.core.formats import check_format, format_info
+from moe_ep.core.weights import QuantizedWeights
+
+__all__ = [
+    "E4M3_MAX", "E2M1_MAX", "FP8_ACT_BLOCK_K", "FP8_FC2_ACT_BLOCK_K", "FP8_WEIGHT_BLOCK", "FP8_BLOCK_EPS",
+    "FP8_TENSOR_EPS", "FP8_TENSOR_OUTPUT_MARGIN", "FP8_GATE_UP_INTERLEAVE", "MX_BLOCK", "NVFP4_BLOCK",
+    "to_e4m3", "fp8_quantize_rows", "fp8_dequantize_rows", "fp8_quantize_blocks_nk", "fp8_dequantize_blocks_nk",
+    "interleave_gate_up", "deinterleave_gate_up", "w13_block_rows", "fp8_quantize_w13_blocks", "fp8_block_mm",
+    "fp8_tensor_scale_from_amax", "fp8_quantize_static", "fp8_quantize_per_expert",
+    "mxfp8_quantize", "e8m0_to_float", "mxfp8_dequantize",
+    "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_dequantize_raw",
+    "nvfp4_dequantize", "nvfp4_alpha",
+    "QuantizedActivation", "quantize_weights", "dequantize_weights", "quantize_input", "dequantize_input",
+    "swiglu", "expert_ffn",
+]
+
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0          # common/megamoe_constants.py Fp8E4M3FNMax
+E2M1_MAX = 6.0            # Nvfp4E2M1Max
+FP8_ACT_BLOCK_K = 128     # Fp8BlockScaleK: FC1 input, 1x128 per token
+FP8_FC2_ACT_BLOCK_K = 64  # Fp8Fc2ActivationScaleK: FC2 input, 1x64 per (token, topk)
+FP8_WEIGHT_BLOCK = 128    # Fp8WeightScaleBlockN = Fp8WeightScaleBlockK
+FP8_BLOCK_EPS = 1.0e-30   # hopper_moe_utils.Fp8BlockScaleEpsilon
+FP8_TENSOR_EPS = 1.0e-12  # hopper_moe_utils.Fp8PerTensorScaleEpsilon
+FP8_TENSOR_OUTPUT_MARGIN = 0.95  # hopper_moe_utils.Fp8PerTensorOutputQuantMargin
+FP8_GATE_UP_INTERLEAVE = 8  # Fp8GateUpInterleave: the FP8 kernel's FC1 row interleave
+MX_BLOCK = 32             # Mxfp8BlockSize
+NVFP4_BLOCK = 16          # Nvfp4BlockSize
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e4m3 with round-to-nearest-even and saturation (the kernel's cvt.rn.satfinite).
+
+    torch's cast already saturates; the explicit clamp pins that behaviour whatever the torch version.
+    NaN stays NaN."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+# ---------------------------------------------------------------------------------------------- fp8 block
+def fp8_quantize_rows(x: torch.Tensor, block_k: int, reciprocal: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], fp32 scales [M, K/block_k]); scale = max(amax/448, 1e-30).
+
+    reciprocal=True multiplies by 1/scale (the kernel's FC2-input requantization), False divides (the FC1
+    input, staged by the host)."""
+    m, k = x.shape
+    blocks = x.to(torch.float32).reshape(m, k // block_k, block_k)
+    absmax = blocks.abs().amax(dim=-1)
+    scale = torch.clamp(absmax / E4M3_MAX, min=FP8_BLOCK_EPS).to(torch.float32)
+    sv = scale.unsqueeze(-1)
+    scaled = blocks * torch.reciprocal(sv) if reciprocal else blocks / sv
+    return to_e4m3(scaled.reshape(m, k)), scale
+
+
+def fp8_dequantize_rows(q: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
+    return q.to(torch.float32) * scale.to(torch.float32).repeat_interleave(block_k, dim=-1)
+
+
+def fp8_quantize_blocks_nk(w: torch.Tensor, block_n: int = FP8_WEIGHT_BLOCK,
+                           block_k: int = FP8_WEIGHT_BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] -> (e4m3, fp32 scales [..., N/bn, K/bk]); one scale per bn x bk block, amax/448 floored."""
+    *lead, n, k = w.shape
+    blocks = w.to(torch.float32).reshape(*lead, n // block_n, block_n, k // block_k, block_k)
+    nd = blocks.dim()
+    absmax = blocks.abs().amax(dim=(nd - 3, nd - 1))
+    scale = torch.clamp(absmax / E4M3_MAX, min=FP8_BLOCK_EPS).to(torch.float32)
+    q = to_e4m3((blocks / scale.unsqueeze(-1).unsqueeze(-3)).reshape(*lead, n, k))
+    return q, scale
+
+
+def fp8_dequantize_blocks_nk(q: torch.Tensor, scale: torch.Tensor, block_n: int = FP8_WEIGHT_BLOCK,
+                             block_k: int = FP8_WEIGHT_BLOCK) -> torch.Tensor:
+    s = scale.to(torch.float32).repeat_interleave(block_n, dim=-2).repeat_interleave(block_k, dim=-1)
+    return q.to(torch.float32) * s
+
+
+def interleave_gate_up(w13: torch.Tensor, group: int = FP8_GATE_UP_INTERLEAVE) -> torch.Tensor:
+    """Canonical [.., gate(I); up(I), H] rows -> g0..g7 u0..u7 g8.. (the FP8 kernel's FC1 row order)."""
+    *lead, n2, h = w13.shape
+    i = n2 // 2
+    v = w13.reshape(*lead, 2, i // group, group, h)
+    d = len(lead)
+    return v.transpose(d, d + 1).reshape(*lead, n2, h)
+
+
+def deinterleave_gate_up(w13i: torch.Tensor, group: int = FP8_GATE_UP_INTERLEAVE) -> torch.Tensor:
+    *lead, n2, h = w13i.shape
+    i = n2 // 2
+    v = w13i.reshape(*lead, i // group, 2, group, h)
+    d = len(lead)
+    return v.transpose(d, d + 1).reshape(*lead, n2, h)
+
+
+def w13_block_rows(intermediate: int, block_n: int = FP8_WEIGHT_BLOCK,
+                   group: int = FP8_GATE_UP_INTERLEAVE, device=None) -> torch.Tensor:
+    """For each canonical w13 row, the row of its fp8_block scale: blocks are cut over the interleaved
+    order, so gate row r and up row r both fall in block r // (block_n / 2)."""
+    del group  # any interleave that divides block_n/2 gives the same answer
+    r = torch.arange(intermediate, device=device) // (block_n // 2)
+    return torch.cat([r, r])
+
+
+def fp8_quantize_w13_blocks(w13: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[E, 2I, H] canonical -> (e4m3 canonical, fp32 [E, 2I/128, H/128] scales over the interleaved rows)."""
+    q, s = fp8_quantize_blocks_nk(interleave_gate_up(w13))
+    return deinterleave_gate_up(q), s
+
+
+def fp8_block_mm(a: torch.Tensor, a_scale: torch.Tensor, a_block_k: int, b: torch.Tensor, b_scale: torch.Tensor,
+                 b_scale_rows: torch.Tensor, b_block_k: int = FP8_WEIGHT_BLOCK) -> torch.Tensor:
+    """a [M,K] e4m3 with scales [M, K/a_block_k]; b [N,K] e4m3 with scales [Nb, K/b_block_k] where row n of b
+    uses scale row b_scale_rows[n]. Raw fp32 partial sums per K segment (the union of both block grids),
+    promoted by a_scale * b_scale and accumulated in K order, as the kernel's WGMMA promotion does."""
+    m, k = a.shape
+    n = b.shape[0]
+    bounds = sorted({0, k} | set(range(a_block_k, k, a_block_k)) | set(range(b_block_k, k, b_block_k)))
+    acc = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+    a32 = a.to(torch.float32)
+    b32 = b.to(torch.float32)
+    a_s = a_scale.to(torch.float32)
+    b_s = b_scale.to(torch.float32)[b_scale_rows]  # [N, K/b_block_k]
+    for k0, k1 in zip(bounds[:-1], bounds[1:]):
+        raw = a32[:, k0:k1] @ b32[:, k0:k1].t()
+        acc.add_(raw * a_s[:, k0 // a_block_k].reshape(m, 1) * b_s[:, k0 // b_block_k].reshape(1, n))
+    return acc
+
+
+# --------------------------------------------------------------------------------------------- fp8 tensor
+def fp8_tensor_scale_from_amax(amax: float, device=None) -> torch.Tensor:
+    """Static per-tensor dequant scale from a calibrated amax: max(amax / (448 * 0.95), 1e-12), 1.0 for
+    amax <= 0 (in double, then fp32, as the drop computes its FC2-input scale)."""
+    amax = float(amax)
+    fp8_amax = E4M3_MAX * FP8_TENSOR_OUTPUT_MARGIN
+    value = 1.0 if amax <= 0.0 else max(amax / fp8_amax, FP8_TENSOR_EPS)
+    return torch.tensor((value,), dtype=torch.float32, device=device)
+
+
+def fp8_quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q = sat(x / scale) with a fixed (1,) dequant scale."""
+    return to_e4m3(x.to(torch.float32) / scale.reshape(()))
+
+
+def fp8_quantize_per_expert(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (e4m3, fp32 [E]): one block spanning each expert (the 128x128 rule, block = matrix)."""
+    e = w.shape[0]
+    w32 = w.to(torch.float32)
+    absmax = w32.abs().reshape(e, -1).amax(dim=1)
+    scale = torch.clamp(absmax / E4M3_MAX, min=FP8_BLOCK_EPS).to(torch.float32)
+    return to_e4m3(w32 / scale.reshape(e, 1, 1)), scale
+
+
+# ------------------------------------------------------------------------------------------------- mxfp8
+def mxfp8_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (e4m3 [..., K], e8m0 [..., K/32]).
+
+    exp = ceil(log2(amax * (1/448))), biased and clamped to [0, 254]; an all-zero block gets code 0 (2^-127);
+    q = sat(x / 2^(code-127)). A NaN block gets the e8m0 NaN code 255 (the drop's cast of NaN to int is
+    undefined there)."""
+    *lead, k = x.shape
+    x32 = x.to(torch.float32)
+    blocked = x32.reshape(*lead, k // MX_BLOCK, MX_BLOCK)
+    absmax = blocked.abs().amax(dim=-1)
+    safe = torch.clamp(absmax, min=1e-30)
+    scale_exp = torch.ceil(torch.log2(safe * (1.0 / E4M3_MAX)))
+    nan = torch.isnan(scale_exp)
+    code = torch.clamp(torch.where(nan, torch.zeros_like(scale_exp), scale_exp) + 127.0, min=0.0, max=254.0)
+    code = code.to(torch.int32)
+    code = torch.where(absmax == 0, torch.zeros_like(code), code)
+    scale_fp32 = torch.pow(2.0, code.float() - 127.0)
+    code = torch.where(nan, torch.full_like(code, 255), code)
+    scale_fp32 = torch.where(nan, torch.full_like(scale_fp32, float("nan")), scale_fp32)
+    q = to_e4m3((blocked / scale_fp32.unsqueeze(-1)).reshape(*lead, k))
+    return q, code.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    code = scale.view(torch.uint8).to(torch.int32)
+    out = torch.pow(2.0, code.to(torch.float32) - 127.0)
+    return torch.where(code == 255, torch.full_like(out, float("nan")), out)
+
+
+def mxfp8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.float32) * e8m0_to_float(scale).repeat_interleave(MX_BLOCK, dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------- nvfp4
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e2m1 codes (uint8, one per element): round to nearest, ties to even code, saturating at 6
+    (cvt.rn.satfinite.e2m1x2.f32). NaN encodes as 0: NVFP4 carries NaN in the block's e4m3 scale."""
+    a = x.abs()
+    # Midpoints between neighbours; at a tie, '>' keeps the even code below, '>=' moves to the even code above.
+    idx = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+           + (a > 5.0))
+    sign = torch.signbit(x) & ~torch.isnan(x)
+    return idx.to(torch.uint8) | (sign.to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    return _E2M1_LUT.to(codes.device)[codes.to(torch.int64)]
+
+
+def nvfp4_global_scale(amax) -> torch.Tensor:
+    """Global (encode) scale that maps amax onto the largest block value: 448 * 6 / amax; 1.0 for amax 0."""
+    a = torch.as_tensor(amax, dtype=torch.float32)
+    return torch.where(a > 0, (E4M3_MAX * E2M1_MAX) / a, torch.ones_like(a)).to(torch.float32)
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (e2m1 codes [..., K], e4m3 block scales [..., K/16]) with global_scale broadcastable to
+    the block-scale shape [..., K/16] (the drop's norm_const): sf = e4m3(clamp(amax * (1/6) * g, +-448)); q = e2m1(x * (g / sf));
+    a zero sf zeroes its block."""
+    *lead, k = x.shape
+    blocked = x.to(torch.float32).reshape(*lead, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    g = global_scale.to(torch.float32)
+    absmax = blocked.abs().amax(dim=-1)
+    sfc = torch.clamp(absmax * (1.0 / E2M1_MAX) * g, min=-E4M3_MAX, max=E4M3_MAX)
+    sf = sfc.to(FP8)
+    sf_rt = sf.to(torch.float32)
+    acc = g * torch.reciprocal(sf_rt)
+    acc = torch.nan_to_num(acc, nan=_FP32_MAX, posinf=_FP32_MAX, neginf=_FP32_MAX)
+    acc = torch.clamp(acc, max=_FP32_MAX)
+    acc = torch.where(sf_rt > 0, acc, torch.zeros_like(acc))
+    codes = e2m1_encode((blocked * acc.unsqueeze(-1)).reshape(*lead, k))
+    return codes, sf
+
+
+def nvfp4_dequantize_raw(codes: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
+    """q * sf (exact in fp32): what the block-scaled MMA multiplies before alpha."""
+    return e2m1_decode(codes) * sf.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=-1)
+
+
+def nvfp4_dequantize(codes: torch.Tensor, sf: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    return nvfp4_dequantize_raw(codes, sf) / global_scale.to(torch.float32)
+
+
+def nvfp4_alpha(g_a: torch.Tensor, g_b: torch.Tensor) -> torch.Tensor:
+    """The GEMM epilogue's alpha (the drop's fc1_alpha / fc2_alpha): 1 / (g_a * g_b) in fp32."""
+    return torch.reciprocal(g_a.to(torch.float32) * g_b.to(torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------ facades
+@dataclass
+class QuantizedActivation:
+    """Activations as a kernel reads them: q [T, H] (bf16 | e4m3 | e2m1 codes) and per-row block scales
+    (fp8_block fp32 [T, H/128], mxfp8 e8m0 [T, H/32], nvfp4 e4m3 [T, H/16]; None for bf16 / fp8_tensor,
+    whose static scale lives in QuantizedWeights.act_scale)."""
+
+    fmt: str
+    q: torch.Tensor
+    scale: Optional[torch.Tensor] = None
+
+    def rows(self, index: torch.Tensor) -> "QuantizedActivation":
+        return QuantizedActivation(self.fmt, self.q[index], None if self.scale is None else self.scale[index])
+
+
+def quantize_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, *, act_amax: Optional[float] = None,
+                     fc2_act_amax: Optional[float] = None, expert_offset: int = 0) -> QuantizedWeights:
+    """Canonical bf16 [E,2I,H] / [E,H,I] -> the format's QuantizedWeights (see its docstring for layouts)."""
+    check_format(fmt)
+    info = format_info(fmt)
+    if info.static_activation_scales and (act_amax is None or fc2_act_amax is None):
+        from moe_ep.core.errors import CalibrationError
+
+        raise CalibrationError("act_amax" if act_amax is None else "fc2_act_amax",
+                               f"fmt {fmt!r} uses static activation scales: pass the calibrated amax")
+    dev = w13.device
+    if fmt == "bf16":
+        return QuantizedWeights(fmt, w13.to(torch.bfloat16), w2.to(torch.bfloat16), expert_offset=expert_offset)
+    if fmt == "fp8_block":
+        q13, s13 = fp8_quantize_w13_blocks(w13)
+        q2, s2 = fp8_quantize_blocks_nk(w2)
+        return QuantizedWeights(fmt, q13, q2, s13, s2, expert_offset=expert_offset)
+    if fmt == "fp8_tensor":
+        q13, s13 = fp8_quantize_per_expert(w13)
+        q2, s2 = fp8_quantize_per_expert(w2)
+        return QuantizedWeights(fmt, q13, q2, s13, s2, act_scale=fp8_tensor_scale_from_amax(act_amax, dev),
+                                fc2_act_scale=fp8_tensor_scale_from_amax(fc2_act_amax, dev),
+                                expert_offset=expert_offset)
+    if fmt == "mxfp8":
+        q13, s13 = mxfp8_quantize(w13)
+        q2, s2 = mxfp8_quantize(w2)
+        return QuantizedWeights(fmt, q13, q2, s13, s2, expert_offset=expert_offset)
+    # nvfp4
+    e = w13.shape[0]
+    g13 = nvfp4_global_scale(w13.to(torch.float32).abs().reshape(e, -1).amax(dim=1))
+    g2 = nvfp4_global_scale(w2.to(torch.float32).abs().reshape(e, -1).amax(dim=1))
+    q13, s13 = nvfp4_quantize(w13, g13.reshape(e, 1, 1))
+    q2, s2 = nvfp4_quantize(w2, g2.reshape(e, 1, 1))
+    g_in = nvfp4_global_scale(torch.tensor(float(act_amax))).reshape(1).to(dev)
+    g_fc2 = nvfp4_global_scale(torch.full((e,), float(fc2_act_amax))).to(dev)
+    return QuantizedWeights(fmt, q13, q2, s13, s2, g13, g2, act_scale=g_in, fc2_act_scale=g_fc2,
+                            expert_offset=expert_offset)
+
+
+def dequantize_weights(qw: QuantizedWeights) -> Tuple[torch.Tensor, torch.Tensor]:
+    f = qw.fmt
+    if f == "bf16":
+        return qw.w13_q.to(torch.float32), qw.w2_q.to(torch.float32)
+    if f == "fp8_block":
+        i = qw.intermediate_size
+        rows = w13_block_rows(i, device=qw.w13_q.device)
+        s13 = qw.w13_scale.to(torch.float32)[:, rows].repeat_interleave(FP8_WEIGHT_BLOCK, dim=-1)
+        return qw.w13_q.to(torch.float32) * s13, fp8_dequantize_blocks_nk(qw.w2_q, qw.w2_scale)
+    if f == "fp8_tensor":
+        return (qw.w13_q.to(torch.float32) * qw.w13_scale.reshape(-1, 1, 1),
+                qw.w2_q.to(torch.float32) * qw.w2_scale.reshape(-1, 1, 1))
+    if f == "mxfp8":
+        return mxfp8_dequantize(qw.w13_q, qw.w13_scale), mxfp8_dequantize(qw.w2_q, qw.w2_scale)
+    return (nvfp4_dequantize(qw.w13_q, qw.w13_scale, qw.w13_global_scale.reshape(-1, 1, 1)),
+            nvfp4_dequantize(qw.w2_q, qw.w2_scale, qw.w2_global_scale.reshape(-1, 1, 1)))
+
+
+def quantize_input(qw: QuantizedWeights, hidden: torch.Tensor) -> QuantizedActivation:
+    """The FC1 input a kernel stages from bf16 hidden [T, H]."""
+    f = qw.fmt
+    if f == "bf16":
+        return QuantizedActivation(f, hidden)
+    if f == "fp8_block":
+        q, s = fp8_quantize_rows(hidden, FP8_ACT_BLOCK_K, reciprocal=False)
+        return QuantizedActivation(f, q, s)
+    if f == "fp8_tensor":
+        return QuantizedActivation(f, fp8_quantize_static(hidden, qw.act_scale))
+    if f == "mxfp8":
+        q, s = mxfp8_quantize(hidden)
+        return QuantizedActivation(f, q, s)
+    q, s = nvfp4_quantize(hidden, qw.act_scale.reshape(1, 1))
+    return QuantizedActivation(f, q, s)
+
+
+def dequantize_input(qw: QuantizedWeights, act: QuantizedActivation) -> torch.Tensor:
+    f = act.fmt
+    if f == "bf16":
+        return act.q.to(torch.float32)
+    if f == "fp8_block":
+        return fp8_dequantize_rows(act.q, act.scale, FP8_ACT_BLOCK_K)
+    if f == "fp8_tensor":
+        return act.q.to(torch.float32) * qw.act_scale.reshape(())
+    if f == "mxfp8":
+        return mxfp8_dequantize(act.q, act.scale)
+    return nvfp4_dequantize(act.q, act.scale, qw.act_scale.reshape(1, 1))
+
+
+def swiglu(fc1: torch.Tensor, gate_up_clamp: Optional[float]) -> torch.Tensor:
+    """fc1 [M, 2I] fp32 (gate | up) -> [M, I]: up * (gate * sigmoid(gate)), after the optional clamp
+    gate = min(gate, limit), up = clamp(up, -limit, limit) on the dequantized values."""
+    i = fc1.shape[1] // 2
+    gate, up = fc1[:, :i], fc1[:, i:]
+    if gate_up_clamp is not None:
+        limit = abs(float(gate_up_clamp))
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return up * (gate * torch.sigmoid(gate))
+
+
+def expert_ffn(qw: QuantizedWeights, e: int, act: QuantizedActivation, topk_weights: torch.Tensor,
+               gate_up_clamp: Optional[float] = None, apply_topk_in_fc1: bool = True) -> torch.Tensor:
+    """One expert (local index e of qw) over M routed rows -> fp32 [M, H] FC2 output.
+
+    With apply_topk_in_fc1 (the kernels' default) the routing weight multiplies the SwiGLU output before the
+    FC2-input quantization, so the returned term is already weighted; otherwise it is unweighted."""
+    f = qw.fmt
+    m = act.q.shape[0]
+    if f == "bf16":
+        fc1 = act.q.to(torch.float32) @ qw.w13_q[e].to(torch.float32).t()
+    elif f == "fp8_block":
+        rows = w13_block_rows(qw.intermediate_size, device=act.q.device)
+        fc1 = fp8_block_mm(act.q, act.scale, FP8_ACT_BLOCK_K, qw.w13_q[e], qw.w13_scale[e], rows)
+    elif f == "fp8_tensor":
+        raw = act.q.to(torch.float32) @ qw.w13_q[e].to(torch.float32).t()
+        fc1 = raw * qw.act_scale[0] * qw.w13_scale[e]
+    elif f == "mxfp8":
+        fc1 = mxfp8_dequantize(act.q, act.scale) @ mxfp8_dequantize(qw.w13_q[e], qw.w13_scale[e]).t()
+    else:
+        raw = nvfp4_dequantize_raw(act.q, act.scale) @ nvfp4_dequantize_raw(qw.w13_q[e], qw.w13_scale[e]).t()
+        fc1 = raw * nvfp4_alpha(qw.act_scale[0], qw.w13_global_scale[e])
+
+    y = swiglu(fc1, gate_up_clamp)
+    if apply_topk_in_fc1:
+        y = y * topk_weights.to(torch.float32).reshape(m, 1)
+
+    if f == "bf16":
+        return y.to(torch.bfloat16).to(torch.float32) @ qw.w2_q[e].to(torch.float32).t()
+    if f == "fp8_block":
+        q, s = fp8_quantize_rows(y, FP8_FC2_ACT_BLOCK_K, reciprocal=True)
+        h = qw.hidden_size
+        rows = torch.arange(h, device=y.device) // FP8_WEIGHT_BLOCK
+        return fp8_block_mm(q, s, FP8_FC2_ACT_BLOCK_K, qw.w2_q[e], qw.w2_scale[e], rows)
+    if f == "fp8_tensor":
+        q = fp8_quantize_static(y, qw.fc2_act_scale)
+        raw = q.to(torch.float32) @ qw.w2_q[e].to(torch.float32).t()
+        return raw * qw.fc2_act_scale[0] * qw.w2_scale[e]
+    if f == "mxfp8":
+        q, s = mxfp8_quantize(y)
+        return mxfp8_dequantize(q, s) @ mxfp8_dequantize(qw.w2_q[e], qw.w2_scale[e]).t()
+    g = qw.fc2_act_scale[e]
+    q, s = nvfp4_quantize(y, g.reshape(1, 1))
+    raw = nvfp4_dequantize_raw(q, s) @ nvfp4_dequantize_raw(qw.w2_q[e], qw.w2_scale[e]).t()
+    return raw * nvfp4_alpha(g, qw.w2_global_scale[e])
