@@ -1,0 +1,1 @@
+"""The one rank launcher: N local processes, torchrun-style env, for Bazel tests and plain pytest alike."""

@@ -1,0 +1,204 @@
+"""Launch N ranks on this machine.
+
+    python -m tools.launch.launcher --nproc 4 --device cpu -- tests/multirank/some_test.py -k balanced
+    python -m tools.launch.launcher --nproc 2 --device cuda -- -m tools.main --ranks 2
+
+Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port),
+MOE_EP_DEVICE (cpu|cuda) and MOE_EP_PG_TIMEOUT_S; moe_ep.init_from_env() joins the group from them (gloo on
+CPU, NCCL on CUDA). The command after `--` is pytest arguments, or `-m module args`, or `script.py args`.
+
+From Python, launch_function() runs module:function (or path/to/file.py:function) on every rank and
+returns each rank's JSON-able return value; a failing rank raises RankFailure with every rank's output.
+
+Nothing hangs: when one rank fails the others get a grace period (they are usually blocked in a collective
+that can no longer finish) and are then killed; the whole launch has a wall-clock limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["RankFailure", "RankResult", "launch", "launch_function", "free_port", "main"]
+
+_WORKER = str(Path(__file__).resolve().with_name("worker.py"))
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: Optional[int]  # None: killed by the launcher
+    output: str
+
+
+class RankFailure(RuntimeError):
+    def __init__(self, message: str, results: Sequence[RankResult]):
+        self.results = list(results)
+        tails = "\n".join(f"----- rank {r.rank} (rc={r.returncode}) -----\n{r.output[-4000:]}" for r in results)
+        super().__init__(f"{message}\n{tails}")
+
+
+def _rank_env(rank: int, nproc: int, port: int, device: str, pg_timeout_s: float,
+              extra: Optional[Dict[str, str]]) -> Dict[str, str]:
+    env = dict(os.environ)
+    # The children must import what this process imports (Bazel runfiles, a venv, the repo root).
+    paths = [p for p in sys.path if p] + [_REPO_ROOT]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + env.get("PYTHONPATH", "").split(os.pathsep)))
+    env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MOE_EP_DEVICE=device,
+               MOE_EP_PG_TIMEOUT_S=str(pg_timeout_s), PYTHONUNBUFFERED="1")
+    if device == "cpu":
+        # Loopback only, and one intra-op thread per rank: N ranks share this machine's cores.
+        if sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("OMP_NUM_THREADS", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: float = 600.0,
+           pg_timeout_s: float = 120.0, grace_s: float = 15.0, env: Optional[Dict[str, str]] = None,
+           cwd: Optional[str] = None) -> List[RankResult]:
+    """Run `python <argv>` as nproc ranks; returns when all have exited (or were killed)."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    port = free_port()
+    logdir = tempfile.mkdtemp(prefix="moe_ep_ranks_")
+    procs, logs = [], []
+    try:
+        for r in range(nproc):
+            log = open(os.path.join(logdir, f"rank{r}.log"), "w+b")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, *argv], env=_rank_env(r, nproc, port, device,
+                                                                                   pg_timeout_s, env),
+                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          cwd=cwd, start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        first_failure = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if first_failure is None and any(c not in (None, 0) for c in codes):
+                first_failure = now
+            if now > deadline or (first_failure is not None and now - first_failure > grace_s):
+                break
+            time.sleep(0.05)
+        killed = set()
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                _kill(p)
+                killed.add(r)
+        results = []
+        for r, (p, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            text = log.read().decode("utf-8", "replace")
+            results.append(RankResult(r, None if r in killed else p.returncode, text))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill(p)
+        for log in logs:
+            log.close()
+
+
+def _kill(p: subprocess.Popen) -> None:
+    # Each rank leads its own session (start_new_session), so this reaches its children and nothing else.
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def launch_function(target: str, nproc: int, kwargs: Optional[Dict[str, Any]] = None, *, device: str = "cpu",
+                    timeout_s: float = 600.0, pg_timeout_s: float = 120.0, grace_s: float = 15.0,
+                    env: Optional[Dict[str, str]] = None) -> List[Any]:
+    """Call target(**kwargs) on every rank (after joining the process group); the list of return values,
+    in rank order. target: 'package.module:function' or '/path/to/file.py:function'."""
+    with tempfile.TemporaryDirectory(prefix="moe_ep_launch_") as d:
+        spec = Path(d) / "call.json"
+        spec.write_text(json.dumps({"target": target, "kwargs": kwargs or {}, "result_dir": d}))
+        results = launch([_WORKER, str(spec)], nproc, device=device, timeout_s=timeout_s,
+                         pg_timeout_s=pg_timeout_s, grace_s=grace_s, env=env)
+        bad = [r for r in results if r.returncode != 0]
+        if bad:
+            raise RankFailure(f"{len(bad)} of {nproc} rank(s) failed running {target}", results)
+        out = []
+        for r in range(nproc):
+            path = Path(d) / f"rank{r}.json"
+            if not path.exists():
+                raise RankFailure(f"rank {r} exited 0 but wrote no result", results)
+            out.append(json.loads(path.read_text())["result"])
+        return out
+
+
+def _split_command(rest: Sequence[str]) -> List[str]:
+    rest = list(rest)
+    if not rest:
+        raise SystemExit("nothing to run: give pytest arguments, '-m module ...' or 'script.py ...' after --")
+    if rest[0] == "-m":
+        return rest
+    first = Path(rest[0])
+    if first.suffix == ".py" and not (first.name.startswith("test_") or first.name.endswith("_test.py")):
+        return rest
+    return ["-m", "pytest", *rest]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        own, rest = argv[:cut], argv[cut + 1:]
+    else:
+        own, rest = argv, []
+    ap = argparse.ArgumentParser(prog="python -m tools.launch.launcher", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="wall-clock limit for the whole launch (s)")
+    ap.add_argument("--pg-timeout", type=float, default=300.0, help="process-group collective timeout (s)")
+    args = ap.parse_args(own)
+    results = launch(_split_command(rest), args.nproc, device=args.device, timeout_s=args.timeout,
+                     pg_timeout_s=args.pg_timeout)
+    for r in results:
+        sys.stdout.write(f"===== rank {r.rank} (rc={r.returncode}) =====\n{r.output}")
+        if not r.output.endswith("\n"):
+            sys.stdout.write("\n")
+    failed = [r.rank for r in results if r.returncode != 0]
+    if failed:
+        sys.stdout.write(f"FAILED ranks: {failed}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
