@@ -26,6 +26,10 @@ def _cutlass_dtype(dtype: torch.dtype):
         torch.int64: cutlass.Int64,
         torch.int32: cutlass.Int32,
         torch.uint8: cutlass.Uint8,
+        # Blackwell block-scaled formats: e2m1 pairs (two values a byte; CuTe counts logical elements) and
+        # the e8m0 power-of-two scales of MXFP8.
+        torch.float4_e2m1fn_x2: cutlass.Float4E2M1FN,
+        torch.float8_e8m0fnu: cutlass.Float8E8M0FNU,
     }
     try:
         return table[dtype]
