@@ -9,8 +9,10 @@ compile-time parameters: one set per workspace.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from shim.common.knobs import InvalidKnobsError, KnobSet, resolve_knob_set
 
 __all__ = ["KNOB_SPACE", "CORRECTNESS_KNOBS", "PERF_KNOBS", "Fp8Knobs", "InvalidKnobsError", "heuristic_knobs",
            "resolve_knobs", "SCALE_MODES"]
@@ -42,16 +44,8 @@ CORRECTNESS_KNOBS = ("swap_ab", "mma_tiler_mnk", "cluster_shape_mnk", "pingpong"
 PERF_KNOBS = ("group_hint", "flag_batch", "epi_flag_batch")
 
 
-class InvalidKnobsError(ValueError):
-    """A knob set the kernel cannot build; raised before any compile."""
-
-    def __init__(self, knob: str, message: str):
-        self.knob = knob
-        super().__init__(f"knob {knob!r}: {message}")
-
-
 @dataclass(frozen=True)
-class Fp8Knobs:
+class Fp8Knobs(KnobSet):
     swap_ab: bool
     mma_tiler_mnk: Tuple[int, int, int]
     cluster_shape_mnk: Tuple[int, int, int]
@@ -64,18 +58,6 @@ class Fp8Knobs:
     group_hint: Optional[int] = None
     flag_batch: int = 1
     epi_flag_batch: int = 1
-
-    def to_json(self) -> Dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "Fp8Knobs":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise InvalidKnobsError(unknown[0], f"unknown knob; valid knobs: {sorted(names)}")
-        d = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
-        return cls(**d)
 
     @property
     def token_tile(self) -> int:
@@ -115,9 +97,6 @@ class Fp8Knobs:
                                     f"(swap-AB (1,2,1) or non-swap (2,1,1)), got {self.cluster_shape_mnk}")
         return self
 
-    def replace(self, **kw) -> "Fp8Knobs":
-        return replace(self, **kw)
-
 
 def heuristic_knobs(fmt: str, capacity: int) -> Fp8Knobs:
     """The drop's own token-bucket table, keyed by capacity (tokens per rank)."""
@@ -134,17 +113,5 @@ def heuristic_knobs(fmt: str, capacity: int) -> Fp8Knobs:
 
 def resolve_knobs(knobs, *, fmt: str, capacity: int, cache_key: str, cache=None) -> Tuple[Fp8Knobs, str]:
     """Explicit > persistent cache > heuristic. Returns (knobs, where they came from)."""
-    from shim.common.knob_cache import KnobCache
-
-    if isinstance(knobs, Fp8Knobs):
-        return knobs.validate(), "explicit"
-    if isinstance(knobs, dict):
-        base = heuristic_knobs(fmt, capacity).to_json()
-        base.update(knobs)
-        return Fp8Knobs.from_json(base).validate(), "explicit"
-    if knobs not in (None, "auto"):
-        raise InvalidKnobsError("knobs", f"expected None, 'auto', a dict or Fp8Knobs, got {knobs!r}")
-    hit = (cache or KnobCache()).get(cache_key)
-    if hit is not None:
-        return Fp8Knobs.from_json(hit).validate(), "cache"
-    return heuristic_knobs(fmt, capacity).validate(), "heuristic"
+    return resolve_knob_set(knobs, knob_type=Fp8Knobs, heuristic=lambda: heuristic_knobs(fmt, capacity),
+                            validate=Fp8Knobs.validate, cache_key=cache_key, cache=cache)

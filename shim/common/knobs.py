@@ -1,0 +1,67 @@
+"""Tree-agnostic knob plumbing: the error type, the JSON form of a knob set, and the resolution order.
+
+Each tree's knobs.py owns what its kernels accept (a literal KNOB_SPACE, a frozen
+dataclass, validation, the heuristic); this module owns what every tree does the
+same way: explicit knobs > the persistent knob cache > the heuristic, resolved once
+per workspace allocation, with no compile and no collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields, replace
+from typing import Any, Callable, Dict, Optional, Tuple, Type, TypeVar
+
+__all__ = ["InvalidKnobsError", "KnobSet", "resolve_knob_set"]
+
+
+class InvalidKnobsError(ValueError):
+    """A knob set the kernel cannot build; raised before any compile."""
+
+    def __init__(self, knob: str, message: str):
+        self.knob = knob
+        super().__init__(f"knob {knob!r}: {message}")
+
+
+K = TypeVar("K", bound="KnobSet")
+
+
+class KnobSet:
+    """Mixin for a frozen knob dataclass: JSON round trip (tuples as lists) and replace()."""
+
+    def to_json(self) -> Dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls: Type[K], d: Dict[str, Any]) -> K:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise InvalidKnobsError(unknown[0], f"unknown knob; valid knobs: {sorted(names)}")
+        d = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
+        return cls(**d)
+
+    def replace(self: K, **kw) -> K:
+        return replace(self, **kw)
+
+
+def resolve_knob_set(knobs, *, knob_type: Type[K], heuristic: Callable[[], K], validate: Callable[[K], K],
+                     cache_key: str, cache=None) -> Tuple[K, str]:
+    """Explicit > persistent cache > heuristic. Returns (validated knobs, where they came from).
+
+    knobs: a `knob_type` instance (used as is), a dict (overrides on top of the heuristic), or None /
+    "auto" (cache, else heuristic; "auto" tuning itself happens elsewhere, before or after this).
+    """
+    from shim.common.knob_cache import KnobCache
+
+    if isinstance(knobs, knob_type):
+        return validate(knobs), "explicit"
+    if isinstance(knobs, dict):
+        base = heuristic().to_json()
+        base.update(knobs)
+        return validate(knob_type.from_json(base)), "explicit"
+    if knobs not in (None, "auto"):
+        raise InvalidKnobsError("knobs", f"expected None, 'auto', a dict or {knob_type.__name__}, got {knobs!r}")
+    hit: Optional[Dict[str, Any]] = (cache or KnobCache()).get(cache_key)
+    if hit is not None:
+        return validate(knob_type.from_json(hit)), "cache"
+    return validate(heuristic()), "heuristic"
