@@ -26,6 +26,8 @@ py_runtime(
     name = "python3",
     interpreter_path = "{interpreter}",
     python_version = "PY3",
+    # The launcher stub runs under the venv's interpreter too, not whatever `python` is on PATH.
+    stub_shebang = "#!{interpreter}",
 )
 
 py_runtime_pair(

@@ -1,0 +1,101 @@
+"""Run a second, throw-away Bazel on this workspace from inside a test.
+
+Build-graph facts (visibility errors, query results) can only be observed by asking Bazel, and
+the Bazel running the test holds its own output base. So the test starts another one in batch
+mode with its own --output_user_root under TEST_TMPDIR. It fetches nothing: the drop trees and
+the venv that the outer build already extracted are handed to it with --override_repository,
+and it creates no convenience symlinks in the workspace (--symlink_prefix=/).
+
+Needs in the test's data: //:WORKSPACE (to find the source tree) and the carrier.json of each
+drop repository (to find the outer extracted trees). Tag such tests `external` (never cached:
+what they check is the whole workspace, not only their declared inputs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Sequence
+
+DROP_REPOS = ("cutedsl_megamoe_sm90", "cutedsl_megamoe_sm100")
+WORKSPACE_NAME = "megamoe_ep"
+
+
+def runfiles_root() -> Path:
+    for var in ("TEST_SRCDIR", "RUNFILES_DIR"):
+        if os.environ.get(var):
+            return Path(os.environ[var])
+    raise RuntimeError("not running under Bazel (no TEST_SRCDIR / RUNFILES_DIR)")
+
+
+def workspace_root() -> Path:
+    """The source workspace this test was built from (the real directory, not runfiles)."""
+    marker = runfiles_root() / WORKSPACE_NAME / "WORKSPACE"
+    if not marker.exists():
+        raise RuntimeError(f"{marker} missing: add //:WORKSPACE to the test's data")
+    return marker.resolve().parent
+
+
+def outer_repo(name: str) -> Path:
+    """Where the outer Bazel extracted external repository `name`."""
+    marker = runfiles_root() / name / "carrier.json"
+    if not marker.exists():
+        raise RuntimeError(f"{marker} missing: add @{name}//:carrier.json to the test's data")
+    return marker.resolve().parent
+
+
+def outer_python_env() -> Path:
+    """@moe_ep_python of the outer Bazel: this interpreter's venv lives in it."""
+    venv = Path(sys.prefix)
+    return venv.parent
+
+
+def overrides() -> List[str]:
+    flags = [f"--override_repository={name}={outer_repo(name)}" for name in DROP_REPOS]
+    # .bazelrc reaches the coverage stub through /proc/self/cwd; spell the path out here.
+    stub = workspace_root() / "tools" / "bazel" / "coverage_stub"
+    flags.append(f"--override_repository=remote_coverage_tools={stub}")
+    env_repo = outer_python_env()
+    if (env_repo / "BUILD.bazel").exists():
+        flags.append(f"--override_repository=moe_ep_python={env_repo}")
+    return flags
+
+
+def bazel(command: str, args: Sequence[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """`bazel <command> <overrides> <args>` in batch mode; returns the finished process."""
+    exe = shutil.which("bazel")
+    if not exe:
+        raise RuntimeError("bazel is not on PATH")
+    tmp = Path(os.environ.get("TEST_TMPDIR") or tempfile.mkdtemp())
+    root = tmp / "nested_bazel"
+    root.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["HOME"] = str(tmp)
+    # The outer test's runfiles variables would mislead the nested Bazel's own tools.
+    for var in ("RUNFILES_DIR", "RUNFILES_MANIFEST_FILE", "TEST_SRCDIR", "PYTHONPATH"):
+        env.pop(var, None)
+    cmd = [
+        exe,
+        f"--output_user_root={root}",
+        "--batch",
+        "--nohome_rc",
+        command,
+        *overrides(),
+        *args,
+    ]
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(
+        cmd,
+        cwd=workspace_root(),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+    )
+    return proc

@@ -1,0 +1,125 @@
+"""Build-graph facts about the kernel trees, read from `bazel query` (nested Bazel).
+
+1. Only //shim/... targets depend directly on a kernel package (the py_libraries of
+   @cutedsl_megamoe_sm90 / @cutedsl_megamoe_sm100). The one exception is the deliberate
+   violation fixture in //tests/fixtures/visibility, which never builds (visibility_test).
+2. No target depends on both trees (one process can hold one tree). test_suites, which only
+   group tests, are exempt.
+3. A target under //shim/sm90 reaches only the sm90 tree, one under //shim/sm100 only sm100.
+"""
+
+import collections
+import re
+import sys
+
+import pytest
+
+from tests.foundation import nested_bazel
+
+TREES = {"sm90": "@cutedsl_megamoe_sm90//", "sm100": "@cutedsl_megamoe_sm100//"}
+FIXTURE_PREFIX = "//tests/fixtures/visibility:"
+QUERY_FLAGS = ["--noimplicit_deps", "--keep_going=false"]
+
+
+def _query(expr, *flags):
+    proc = nested_bazel.bazel("query", [*QUERY_FLAGS, *flags, expr])
+    assert proc.returncode == 0, f"bazel query {expr!r} failed:\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def _universe():
+    """//... spelled out per top-level directory.
+
+    A nested Bazel does not recognise the outer Bazel's convenience symlinks (bazel-<dir>, which
+    point into another output base) as its own, so a literal //... would walk into them.
+    """
+    root = nested_bazel.workspace_root()
+    dirs = sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_dir()
+        and not p.is_symlink()
+        and not p.name.startswith((".", "bazel-"))
+        and any(p.rglob("BUILD")) | any(p.rglob("BUILD.bazel"))
+    )
+    return "(" + " + ".join(["//:*"] + [f"//{d}/..." for d in dirs]) + ")"
+
+
+@pytest.fixture(scope="module")
+def graph():
+    """(kind of every node, edges) of deps(//...), explicit dependencies only."""
+    kinds = {}
+    universe = _universe()
+    everything = " + ".join([f"deps({universe})"] + [f"{prefix}:*" for prefix in TREES.values()])
+    for line in _query(everything, "--output=label_kind").splitlines():
+        m = re.match(r"^(.+?) (?:rule )?(//\S*|@\S+)$", line.strip())
+        if m:
+            kinds[m.group(2)] = m.group(1)
+    edges = collections.defaultdict(set)
+    for line in _query(f"deps({universe})", "--output=graph", "--nograph:factored").splitlines():
+        m = re.match(r'^\s*"([^"]+)"\s*->\s*"([^"]+)"', line)
+        if m:
+            edges[m.group(1)].add(m.group(2))
+    return kinds, edges
+
+
+def _kernel_packages(kinds, tree):
+    prefix = TREES[tree]
+    return {label for label, kind in kinds.items() if label.startswith(prefix) and kind == "py_library"}
+
+
+def _reaches(edges, sources, targets):
+    """Every node of `sources` from which some node of `targets` is reachable."""
+    reverse = collections.defaultdict(set)
+    for a, bs in edges.items():
+        for b in bs:
+            reverse[b].add(a)
+    seen, todo = set(targets), list(targets)
+    while todo:
+        node = todo.pop()
+        for parent in reverse[node]:
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return {s for s in sources if s in seen}
+
+
+def test_every_tree_has_kernel_packages(graph):
+    kinds, _ = graph
+    for tree, prefix in TREES.items():
+        labels = _kernel_packages(kinds, tree)
+        assert {f"{prefix}:common", f"{prefix}:src"} <= labels, f"{tree}: kernel packages seen: {sorted(labels)}"
+
+
+def test_only_shim_depends_on_kernel_packages(graph):
+    kinds, edges = graph
+    kernels = _kernel_packages(kinds, "sm90") | _kernel_packages(kinds, "sm100")
+    direct = sorted(
+        a for a, bs in edges.items() if bs & kernels and a.startswith("//") and not a.startswith("//shim/")
+    )
+    offenders = [a for a in direct if not a.startswith(FIXTURE_PREFIX)]
+    assert not offenders, f"targets outside //shim depend directly on kernel packages: {offenders}"
+    users = sorted(a for a, bs in edges.items() if bs & kernels and a.startswith("//"))
+    print("direct users of kernel packages:", users)
+
+
+def test_no_target_depends_on_both_trees(graph):
+    kinds, edges = graph
+    ours = [n for n in kinds if n.startswith("//")]
+    reach = {tree: _reaches(edges, ours, _kernel_packages(kinds, tree)) for tree in TREES}
+    both = sorted(n for n in reach["sm90"] & reach["sm100"] if kinds.get(n) != "test_suite")
+    assert not both, f"targets that depend on both kernel trees (one process can hold one tree): {both}"
+
+
+def test_shim_arch_dirs_stay_on_their_tree(graph):
+    kinds, edges = graph
+    ours = [n for n in kinds if n.startswith("//")]
+    for tree, other in (("sm90", "sm100"), ("sm100", "sm90")):
+        crossing = sorted(
+            n for n in _reaches(edges, ours, _kernel_packages(kinds, other)) if n.startswith(f"//shim/{tree}")
+        )
+        assert not crossing, f"//shim/{tree} targets reach the {other} tree: {crossing}"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
