@@ -28,11 +28,15 @@ class Sm90Fp8Backend(Backend):
             arch="sm90", fmt=self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
             experts_per_rank=e_local, top_k=spec.top_k, world_size=ctx.world_size,
             capacity=spec.max_tokens_per_rank)
-        self.frontend = Sm90Fp8Frontend(
+        self._auto = knobs == "auto"
+        self._knob_cache_key = key
+        self._frontend_kw = dict(
             fmt=self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size, experts_per_rank=e_local,
             top_k=spec.top_k, capacity=spec.max_tokens_per_rank, rank=ctx.rank, world_size=ctx.world_size,
-            group=ctx.group, device=ctx.device, knobs=knobs, gate_up_clamp=spec.gate_up_clamp,
+            group=ctx.group, device=ctx.device, gate_up_clamp=spec.gate_up_clamp,
             knob_cache_key=key, max_active_clusters=max_active_clusters)
+        self.frontend = Sm90Fp8Frontend(knobs=knobs, **self._frontend_kw)
+        self.autotune_result = None
         self._last_t = 0
 
     @classmethod
@@ -51,6 +55,21 @@ class Sm90Fp8Backend(Backend):
         return self.frontend.knobs
 
     def prepare_weights(self, weights: ExpertWeights) -> None:
+        if self._auto and self.frontend.knob_source != "cache":
+            # knobs="auto" and nothing cached for this key: tune collectively now, cache the winner, rebuild.
+            from shim.sm90.fp8_frontend import Sm90Fp8Frontend
+            from shim.sm90.tune import autotune
+
+            # The first frontend stays open while tuning: its heap keeps NVSHMEM initialised throughout.
+            first = self.frontend
+            winner, self.autotune_result = autotune(
+                lambda k: Sm90Fp8Frontend(knobs=k, **self._frontend_kw), weights.w13, weights.w2, fmt=self.fmt,
+                capacity=self.spec.max_tokens_per_rank, experts_total=self.spec.num_experts,
+                expert_offset=weights.expert_offset, top_k=self.spec.top_k, cache_key=self._knob_cache_key,
+                group=self.ctx.group)
+            self.frontend = Sm90Fp8Frontend(knobs=winner, **self._frontend_kw)
+            self.frontend.knob_source = "autotune"
+            first.close()
         self.frontend.load_weights(weights.w13, weights.w2)
         self.frontend.compile()
 

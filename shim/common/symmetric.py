@@ -8,6 +8,7 @@ must therefore happen collectively, in the same order, with the same sizes.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import List, Optional, Tuple
 
@@ -16,7 +17,7 @@ import torch
 __all__ = ["SymmetricHeap"]
 
 _lock = threading.Lock()
-_users = 0
+_initialised = False
 
 
 def _init_nvshmem(group, rank: int, world_size: int, device: torch.device) -> None:
@@ -39,19 +40,32 @@ def _init_nvshmem(group, rank: int, world_size: int, device: torch.device) -> No
         dist.broadcast(carrier, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         uid._data[:] = carrier.cpu().numpy().view(uid._data.dtype)
     nvshmem.core.init(device=dev, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
+    # NVSHMEM is initialised once per process and finalised at exit: re-initialising after a finalize is
+    # not something to rely on, and layers come and go (autotune builds one per candidate).
+    atexit.register(_finalize)
+
+
+def _finalize() -> None:
+    import nvshmem.core
+
+    try:
+        torch.cuda.synchronize()
+        nvshmem.core.finalize()
+    except Exception:  # noqa: BLE001 - exiting anyway; do not mask the real error
+        pass
 
 
 class SymmetricHeap:
-    """Collective allocator on the NVSHMEM heap; `close()` frees what it gave out."""
+    """Collective allocator on the NVSHMEM heap; `close()` frees what it gave out (NVSHMEM stays up)."""
 
     def __init__(self, *, group, rank: int, world_size: int, device: torch.device):
-        global _users
+        global _initialised
         self.rank, self.world_size, self.device = rank, world_size, device
         self._tensors: List[torch.Tensor] = []
         with _lock:
-            if _users == 0:
+            if not _initialised:
                 _init_nvshmem(group, rank, world_size, device)
-            _users += 1
+                _initialised = True
         self._open = True
 
     def zeros(self, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -77,7 +91,7 @@ class SymmetricHeap:
         return base, offs
 
     def close(self) -> None:
-        global _users
+        """Collective: frees this heap's allocations (every rank, same order)."""
         if not self._open:
             return
         import nvshmem.core
@@ -87,7 +101,3 @@ class SymmetricHeap:
             nvshmem.core.free_tensor(buf)
         self._tensors.clear()
         self._open = False
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                nvshmem.core.finalize()

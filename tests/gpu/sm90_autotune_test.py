@@ -1,0 +1,64 @@
+"""knobs="auto" on the GPU: a collective tune writes the knob cache; a second process finds it and compiles once."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moe_ep
+
+GEOM = dict(hidden_size=2048, intermediate_size=768, num_experts=16, top_k=4, max_tokens_per_rank=128)
+
+
+def _layer(knobs):
+    rank, world = 0, 1
+    gen = torch.Generator().manual_seed(5)
+    h, i, e = GEOM["hidden_size"], GEOM["intermediate_size"], GEOM["num_experts"]
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).cuda()
+    spec = moe_ep.MoESpec(**GEOM)
+    weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world, num_experts=e)
+    return moe_ep.MoELayer(spec, weights, backend="sm90_fp8_cutedsl", device=torch.device("cuda"), knobs=knobs)
+
+
+def test_autotune_then_cache_reuse(dist_ctx, tmp_path, case_log, monkeypatch):
+    from shim.common import compile_cache
+
+    cache = os.environ.get("MOE_EP_TEST_KNOB_CACHE") or str(tmp_path / "knobs.json")
+    if os.path.exists(cache):
+        os.remove(cache)
+    monkeypatch.setenv("MOE_EP_KNOB_CACHE", cache)
+    layer = _layer("auto")
+    res = layer.backend.autotune_result
+    assert res is not None and layer.backend.frontend.knob_source == "autotune"
+    entry = json.load(open(cache))["entries"]
+    assert len(entry) == 1
+    (key, val), = entry.items()
+    assert val["knobs"] == layer.backend.knobs.to_json()
+    case_log(suite="sm90_autotune", key=key, candidates=[str(c) for c in
+             __import__("shim.sm90.tune", fromlist=["x"]).candidate_knobs("fp8_block", GEOM["max_tokens_per_rank"])],
+             scores_us=res.scores_us, winner=str(res.winner), seconds=res.seconds,
+             compiles=compile_cache.stats()["compiles"])
+    layer.close()
+    # A second process with the same key: cache hit, one compile.
+    code = ("import json, torch, sys; sys.path[:0] = %r; from sm90_autotune_test import _layer; "
+            "import torch.distributed as dist; dist.init_process_group('cpu:gloo,cuda:nccl', rank=0, world_size=1,"
+            " init_method='tcp://127.0.0.1:%d'); from shim.common import compile_cache; l = _layer('auto'); "
+            "print(json.dumps(dict(source=l.backend.frontend.knob_source, knobs=l.backend.knobs.to_json(), "
+            "compiles=compile_cache.stats()['compiles']))); l.close(); dist.destroy_process_group()"
+            % ([os.path.dirname(os.path.abspath(__file__))] + sys.path, 29000 + os.getpid() % 1000))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    second = json.loads(proc.stdout.strip().splitlines()[-1])
+    case_log(suite="sm90_autotune", case="second_process", **second)
+    assert second["source"] == "cache"
+    assert second["knobs"] == val["knobs"]
+    assert second["compiles"] == 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-x"]))

@@ -1,0 +1,3 @@
+from tools.bench.bench import main
+
+raise SystemExit(main())

@@ -1,0 +1,333 @@
+"""Times moe_ep's sm90 FP8 backend against plain torch and against the physical floors, in one run.
+
+    python -m tools.bench --out DIR            (GPU host, no Bazel)
+    bazel run //tools:bench -- --out DIR
+
+For each geometry and token count per rank T it measures, side by side on the same GPU:
+  moe_ep eager       MoELayer forward on the hot path (check_values / collective_checks off), CUDA events
+  moe_ep graph       the same forward captured in a CUDA graph and replayed
+  host overhead      CPU time of one eager forward call (launch-queue not full), microseconds
+  kernel             the compiled MegaMoE kernel alone on pre-staged inputs (what moe_ep adds is the rest)
+  torch reference    moe_ep's torch_reference backend, same FP8 format (the oracle; not built for speed)
+  torch grouped bf16 torch._grouped_mm over expert-sorted tokens, bf16 weights
+  torch grouped fp8  torch._scaled_grouped_mm, rowwise e4m3 scales (where the installed torch has it)
+and the floors, from rates measured in this run: bytes that must move (weights of the experts that get a
+token, read once, plus bf16 activations in and out) over the device-to-device copy bandwidth, and FLOPs
+(2 * T * K * 3 * I * H) over the FP8 matmul rate of torch._scaled_mm at 8192^3.
+Every workspace is sized like an engine would size it: capacity = T rounded up to a power of two (>= 8),
+knobs from the drop's heuristic for that capacity (or the knob cache when $MOE_EP_KNOB_CACHE names one).
+Writes bench.csv, bench.md and bench.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+GEOMS = {
+    "dsv3": dict(hidden=7168, intermediate=2048, experts=32, top_k=8),
+    "small": dict(hidden=2048, intermediate=768, experts=16, top_k=4),
+}
+TOKENS = [1, 8, 32, 128, 512, 2048, 4096]
+
+
+def routing(t: int, e: int, k: int, gen: torch.Generator, device) -> tuple:
+    """Balanced: each token's k distinct experts uniformly at random; softmax routing weights."""
+    idx = torch.rand(max(t, 1), e, generator=gen).argsort(dim=1)[:t, :k]
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
+    return idx.to(device), w.to(device)
+
+
+def cuda_time_us(fn: Callable[[], None], iters: int = 30, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def measure_rates(device) -> Dict[str, float]:
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = cuda_time_us(lambda: dst.copy_(src), iters=20)
+    bw = 2 * n / (us * 1e-6)  # read + write
+    m = 8192
+    a = torch.randn(m, m, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(m, m, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    us = cuda_time_us(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), iters=20)
+    fp8 = 2 * m ** 3 / (us * 1e-6)
+    del src, dst, a, b
+    return {"copy_bytes_per_s": bw, "fp8_flops_per_s": fp8}
+
+
+class GroupedTorch:
+    """The best plain-torch MoE on one GPU: tokens sorted by expert, one grouped GEMM per projection."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, fp8: bool):
+        self.fp8 = fp8
+        self.i = w2.shape[2]
+        if fp8:
+            self.w13, self.s13 = _rowwise_e4m3(w13)  # [E, 2I, H], [E, 2I]
+            self.w2, self.s2 = _rowwise_e4m3(w2)  # [E, H, I], [E, H]
+        else:
+            self.w13t = w13.transpose(1, 2)  # [E, H, 2I] view, K stride 1 (the layout grouped_mm wants)
+            self.w2t = w2.transpose(1, 2)
+
+    def __call__(self, x, idx, w):
+        t, k = idx.shape
+        e = (self.w13 if self.fp8 else self.w13t).shape[0]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        tok = order // k
+        counts = torch.bincount(flat, minlength=e)
+        offs = counts.cumsum(0).to(torch.int32)
+        xs = x[tok]
+        if self.fp8:
+            xq, xs_s = _rowwise_e4m3(xs)
+            h1 = torch._scaled_grouped_mm(xq, self.w13.transpose(1, 2), xs_s, self.s13, offs=offs,
+                                          out_dtype=torch.bfloat16)
+        else:
+            h1 = torch._grouped_mm(xs, self.w13t, offs=offs)
+        a = torch.nn.functional.silu(h1[:, : self.i]) * h1[:, self.i:]
+        a = a * w.reshape(-1)[order].unsqueeze(1).to(a.dtype)
+        if self.fp8:
+            aq, a_s = _rowwise_e4m3(a)
+            y = torch._scaled_grouped_mm(aq, self.w2.transpose(1, 2), a_s, self.s2, offs=offs,
+                                         out_dtype=torch.bfloat16)
+        else:
+            y = torch._grouped_mm(a.contiguous(), self.w2t, offs=offs)
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, tok, y.float())
+        return out.to(torch.bfloat16)
+
+
+def _rowwise_e4m3(x: torch.Tensor):
+    amax = x.float().abs().amax(dim=-1).clamp(min=1e-12)
+    s = amax / 448.0
+    return (x.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn), s.float()
+
+
+def floors(geom: dict, t: int, idx: torch.Tensor, rates: Dict[str, float]) -> Dict[str, float]:
+    h, i, k = geom["hidden"], geom["intermediate"], geom["top_k"]
+    active = int(torch.unique(idx).numel()) if t else 0
+    weight_bytes = active * (3 * i * h + (2 * i // 128) * (h // 128) * 4 + (h // 128) * (i // 128) * 4)
+    act_bytes = 2 * t * h * 2
+    flops = 2 * t * k * 3 * i * h
+    return {"active_experts": active, "bytes": weight_bytes + act_bytes, "flops": flops,
+            "bw_floor_us": (weight_bytes + act_bytes) / rates["copy_bytes_per_s"] * 1e6,
+            "flop_floor_us": flops / rates["fp8_flops_per_s"] * 1e6}
+
+
+def bucket(t: int) -> int:
+    c = 8
+    while c < t:
+        c *= 2
+    return c
+
+
+def run(args) -> List[dict]:
+    import torch.distributed as dist
+
+    import moe_ep
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=dev)
+    rates = measure_rates(dev)
+    print(f"measured: copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s, fp8 matmul "
+          f"{rates['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    rows = []
+    for gname in args.geoms:
+        g = GEOMS[gname]
+        gen = torch.Generator().manual_seed(0)
+        h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
+        w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(torch.bfloat16).to(dev)
+        w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).to(dev)
+        weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=0, world_size=1, num_experts=e)
+        alts = {"torch grouped bf16": GroupedTorch(w13, w2, fp8=False)}
+        try:
+            alts["torch grouped fp8"] = GroupedTorch(w13, w2, fp8=True)
+        except Exception as ex:  # noqa: BLE001 - reported, not fatal
+            print(f"torch grouped fp8 unavailable: {type(ex).__name__}: {ex}")
+        layers: Dict[int, object] = {}
+        ref_layer = None
+        for t in args.tokens:
+            cap = bucket(t)
+            if cap not in layers:
+                t0 = time.perf_counter()
+                spec = moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
+                                      max_tokens_per_rank=cap)
+                layers[cap] = moe_ep.MoELayer(spec, weights, backend="sm90_fp8_cutedsl", device=dev,
+                                              check_values=False, collective_checks=False)
+                print(f"[{gname}] capacity {cap}: knobs {layers[cap].backend.knobs} "
+                      f"({layers[cap].backend.frontend.knob_source}), built in {time.perf_counter() - t0:.1f}s",
+                      flush=True)
+            layer = layers[cap]
+            x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(dev)
+            idx, w = routing(t, e, k, gen, dev)
+            out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+            row = dict(geom=gname, hidden=h, intermediate=i, experts=e, top_k=k, T=t, capacity=cap,
+                       knobs=str(layer.backend.knobs))
+            row["moe_ep_eager_us"] = cuda_time_us(lambda: layer(x, idx, w, out=out))
+            # host overhead: CPU time per call with the GPU queue far from full
+            torch.cuda.synchronize()
+            cpu = []
+            for _ in range(20):
+                c0 = time.perf_counter()
+                layer(x, idx, w, out=out)
+                cpu.append((time.perf_counter() - c0) * 1e6)
+            torch.cuda.synchronize()
+            row["host_overhead_us"] = statistics.median(cpu)
+            fe = layer.backend.frontend
+            args_k = next(iter(fe._args_cache.values()))
+            row["kernel_us"] = cuda_time_us(lambda: fe.compiled(**args_k))
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                layer(x, idx, w, out=out)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layer(x, idx, w, out=out)
+            row["moe_ep_graph_us"] = cuda_time_us(graph.replay)
+            del graph
+            for name, alt in alts.items():
+                try:
+                    row[name.replace(" ", "_") + "_us"] = cuda_time_us(lambda: alt(x, idx, w), iters=10)
+                except Exception as ex:  # noqa: BLE001
+                    row[name.replace(" ", "_") + "_us"] = float("nan")
+                    print(f"{name} failed at T={t}: {type(ex).__name__}: {ex}")
+            if t <= args.ref_max_tokens:
+                if ref_layer is None:
+                    rspec = moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
+                                           max_tokens_per_rank=max(args.tokens))
+                    ref_layer = moe_ep.MoELayer(rspec, weights, backend="torch_reference", fmt="fp8_block",
+                                                device=dev, check_values=False, collective_checks=False)
+                try:
+                    row["torch_reference_us"] = cuda_time_us(lambda: ref_layer(x, idx, w), iters=3, warmup=1)
+                except Exception as ex:  # noqa: BLE001
+                    row["torch_reference_us"] = float("nan")
+                    print(f"torch reference failed at T={t}: {type(ex).__name__}: {ex}")
+            else:
+                row["torch_reference_us"] = float("nan")
+            row.update(floors(g, t, idx, rates))
+            row["pct_bw_floor"] = 100 * row["bw_floor_us"] / row["moe_ep_graph_us"]
+            row["pct_flop_floor"] = 100 * row["flop_floor_us"] / row["moe_ep_graph_us"]
+            best_alt = min(v for kk, v in row.items() if kk.startswith("torch_grouped") and v == v)
+            row["speedup_vs_best_torch"] = best_alt / row["moe_ep_eager_us"]
+            row["graph_vs_kernel"] = row["moe_ep_graph_us"] / row["kernel_us"]
+            rows.append(row)
+            print(_fmt_row(row), flush=True)
+        for lay in layers.values():
+            lay.close()
+        if ref_layer is not None:
+            ref_layer.close()
+    for r in rows:
+        r.update(copy_GBps=rates["copy_bytes_per_s"] / 1e9, fp8_TFLOPs=rates["fp8_flops_per_s"] / 1e12)
+    return rows
+
+
+COLS = [("geom", "{}"), ("T", "{}"), ("capacity", "{}"), ("moe_ep_eager_us", "{:.1f}"), ("moe_ep_graph_us", "{:.1f}"),
+        ("kernel_us", "{:.1f}"), ("host_overhead_us", "{:.1f}"), ("torch_grouped_bf16_us", "{:.1f}"),
+        ("torch_grouped_fp8_us", "{:.1f}"), ("torch_reference_us", "{:.0f}"), ("speedup_vs_best_torch", "{:.2f}x"),
+        ("bw_floor_us", "{:.1f}"), ("pct_bw_floor", "{:.0f}%"), ("flop_floor_us", "{:.1f}"),
+        ("pct_flop_floor", "{:.0f}%"), ("graph_vs_kernel", "{:.3f}")]
+
+
+def _fmt_row(r: dict) -> str:
+    return " | ".join(f.format(r.get(c, float("nan"))) for c, f in COLS)
+
+
+def write(rows: List[dict], out: str, meta: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    keys = sorted({k for r in rows for k in r})
+    with open(os.path.join(out, "bench.csv"), "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        wr.writeheader()
+        wr.writerows(rows)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write("# moe_ep benchmark\n\n")
+        for k, v in meta.items():
+            f.write(f"- {k}: {v}\n")
+        f.write("\nTimes in microseconds (CUDA events, median of 30 after 5 warm-ups; torch reference 3).\n\n")
+        f.write("| " + " | ".join(c for c, _ in COLS) + " |\n|" + "---|" * len(COLS) + "\n")
+        for r in rows:
+            f.write("| " + _fmt_row(r) + " |\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        geoms = sorted({r["geom"] for r in rows})
+        fig, axes = plt.subplots(1, len(geoms), figsize=(7 * len(geoms), 5), squeeze=False)
+        for ax, gname in zip(axes[0], geoms):
+            rs = [r for r in rows if r["geom"] == gname]
+            ts = [r["T"] for r in rs]
+            for key, label in (("moe_ep_graph_us", "moe_ep (graph)"), ("moe_ep_eager_us", "moe_ep (eager)"),
+                               ("kernel_us", "kernel alone"), ("torch_grouped_bf16_us", "torch grouped bf16"),
+                               ("torch_grouped_fp8_us", "torch grouped fp8"), ("torch_reference_us", "torch reference"),
+                               ("bw_floor_us", "bandwidth floor"), ("flop_floor_us", "FLOP floor")):
+                ys = [r.get(key, float("nan")) for r in rs]
+                ax.plot(ts, ys, marker="o", label=label, linestyle="--" if "floor" in key else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens per rank")
+            ax.set_ylabel("microseconds")
+            ax.set_title(f"{gname}: H={rs[0]['hidden']} I={rs[0]['intermediate']} E={rs[0]['experts']} K={rs[0]['top_k']}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(meta.get("device", ""))
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "bench.png"), dpi=110)
+    except ImportError as ex:
+        print(f"no plot: {ex}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--geoms", nargs="+", default=list(GEOMS), choices=list(GEOMS))
+    p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    p.add_argument("--ref-max-tokens", type=int, default=512, help="time the torch reference up to this T")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the benchmark needs a CUDA GPU (sm90): none found", file=sys.stderr)
+        return 2
+    rows = run(args)
+    import cutlass
+
+    meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
+            "driver/cuda": torch.version.cuda, "torch": torch.__version__, "cutlass-dsl": cutlass.__version__,
+            "drop": os.environ.get("MOE_EP_DROP_VERSION", "see third_party/cutedsl_megamoe/workspace.bzl"),
+            "python": platform.python_version(), "world_size": 1,
+            "copy GB/s (measured)": f"{rows[0]['copy_GBps']:.0f}", "fp8 TFLOP/s (measured)": f"{rows[0]['fp8_TFLOPs']:.0f}"}
+    write(rows, args.out, meta)
+    print("| " + " | ".join(c for c, _ in COLS) + " |")
+    for r in rows:
+        print("| " + _fmt_row(r) + " |")
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return 0
