@@ -99,3 +99,10 @@ def bazel(command: str, args: Sequence[str], timeout: int = 600) -> subprocess.C
         timeout=timeout,
     )
     return proc
+
+
+def errors(proc: subprocess.CompletedProcess, limit: int = 40) -> str:
+    """The ERROR lines of a nested Bazel's stderr (else its tail), for failure messages."""
+    lines = proc.stderr.splitlines()
+    picked = [l for l in lines if l.startswith(("ERROR", " - ", "FAILED"))] or lines[-limit:]
+    return "\n".join(picked[:limit])

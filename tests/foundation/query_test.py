@@ -23,7 +23,8 @@ QUERY_FLAGS = ["--noimplicit_deps", "--keep_going=false"]
 
 def _query(expr, *flags):
     proc = nested_bazel.bazel("query", [*QUERY_FLAGS, *flags, expr])
-    assert proc.returncode == 0, f"bazel query {expr!r} failed:\n{proc.stderr[-6000:]}"
+    if proc.returncode != 0:
+        pytest.fail(f"bazel query {expr!r} failed (exit {proc.returncode}):\n{nested_bazel.errors(proc)}", pytrace=False)
     return proc.stdout
 
 
