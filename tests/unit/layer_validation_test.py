@@ -1,0 +1,209 @@
+"""Every bad argument gets its typed error, naming the argument, from a one-rank layer (gloo)."""
+
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_ep
+
+H, I, E, K, C = 128, 128, 4, 2, 16
+
+
+def test_uninitialised_process_group_is_a_typed_error():
+    # In a fresh process: this one may hold a group for the tests below.
+    code = ("import moe_ep, torch\n"
+            "spec = moe_ep.MoESpec(128, 128, 4, 2, 16)\n"
+            "w = moe_ep.ExpertWeights(torch.zeros(4, 256, 128, dtype=torch.bfloat16), "
+            "torch.zeros(4, 128, 128, dtype=torch.bfloat16), 0, 1, 4)\n"
+            "try:\n    moe_ep.MoELayer(spec, w)\n"
+            "except moe_ep.ProcessGroupError as e:\n    print('ARG', e.argument, isinstance(e, RuntimeError))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "ARG group True" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def group():
+    assert not dist.is_initialized()
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _weights(**kw):
+    g = torch.Generator().manual_seed(0)
+    args = dict(w13=(torch.randn(E, 2 * I, H, generator=g) / 12).bfloat16(),
+                w2=(torch.randn(E, H, I, generator=g) / 12).bfloat16(), rank=0, world_size=1, num_experts=E)
+    args.update(kw)
+    return moe_ep.ExpertWeights(**args)
+
+
+@pytest.fixture(scope="module")
+def layer(group):
+    with moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, K, C), _weights()) as lay:
+        yield lay
+
+
+def _inputs(t=5):
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, H, generator=g).bfloat16()
+    idx = torch.rand(t, E, generator=g).argsort(1)[:, :K].contiguous()
+    w = torch.softmax(torch.randn(t, K, generator=g), 1)
+    return x, idx, w
+
+
+def test_good_call_and_defaults(layer):
+    assert layer.backend_name == "torch_reference" and layer.fmt == "bf16" and layer.capacity == C
+    x, idx, w = _inputs()
+    out = layer(x, idx, w)
+    assert out.shape == (5, H) and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    out32 = layer(x, idx.to(torch.int32), w)  # int32 ids are accepted
+    assert torch.equal(out, out32)
+    empty = layer(x[:0], idx[:0], w[:0])  # T = 0 is a valid call
+    assert empty.shape == (0, H)
+    full = layer(*_inputs(C))  # exactly at capacity
+    assert full.shape == (C, H)
+
+
+def _bad(kind):
+    x, idx, w = _inputs()
+    out = None
+    if kind == "hidden_dtype":
+        x = x.float()
+    elif kind == "hidden_not_tensor":
+        x = x.tolist()
+    elif kind == "idx_dtype":
+        idx = idx.float()
+    elif kind == "weights_dtype":
+        w = w.bfloat16()
+    elif kind == "hidden_shape":
+        x = x[:, :64].contiguous()
+    elif kind == "hidden_rank3":
+        x = x.unsqueeze(0)
+    elif kind == "idx_rows":
+        idx = idx[:4].contiguous()
+    elif kind == "topk_cols":
+        idx = torch.cat([idx, idx[:, :1]], 1)
+    elif kind == "topk_weights_shape":
+        w = w[:, :1].contiguous()
+    elif kind == "hidden_device":
+        x = x.to("meta")
+    elif kind == "idx_device":
+        idx = idx.to("meta")
+    elif kind == "hidden_noncontig":
+        x = x.t().contiguous().t()
+    elif kind == "idx_noncontig":
+        idx = idx.t().contiguous().t()
+    elif kind == "negative_id":
+        idx[2, 1] = -1
+    elif kind == "id_too_large":
+        idx[0, 0] = E
+    elif kind == "over_capacity":
+        x, idx, w = _inputs(C + 1)
+    elif kind == "out_dtype":
+        out = torch.empty(5, H)
+    elif kind == "out_shape":
+        out = torch.empty(4, H, dtype=torch.bfloat16)
+    elif kind == "out_noncontig":
+        out = torch.empty(H, 5, dtype=torch.bfloat16).t()
+    return x, idx, w, out
+
+
+CASES = [
+    ("hidden_dtype", moe_ep.DTypeError, "hidden", "torch.bfloat16"),
+    ("hidden_not_tensor", moe_ep.DTypeError, "hidden", "torch.Tensor"),
+    ("idx_dtype", moe_ep.DTypeError, "topk_idx", "torch.int64"),
+    ("weights_dtype", moe_ep.DTypeError, "topk_weights", "torch.float32"),
+    ("hidden_shape", moe_ep.ShapeError, "hidden", f"[T, {H}]"),
+    ("hidden_rank3", moe_ep.ShapeError, "hidden", f"[T, {H}]"),
+    ("idx_rows", moe_ep.ShapeError, "topk_idx", "[5, 2]"),
+    ("topk_cols", moe_ep.TopKMismatchError, "topk_idx", "top_k=2"),
+    ("topk_weights_shape", moe_ep.TopKMismatchError, "topk_weights", "shape of topk_idx"),
+    ("hidden_device", moe_ep.DeviceError, "hidden", "cpu"),
+    ("idx_device", moe_ep.DeviceError, "topk_idx", "cpu"),
+    ("hidden_noncontig", moe_ep.NonContiguousError, "hidden", "contiguous"),
+    ("idx_noncontig", moe_ep.NonContiguousError, "topk_idx", "contiguous"),
+    ("negative_id", moe_ep.ExpertIndexError, "topk_idx", ">= 0"),
+    ("id_too_large", moe_ep.ExpertIndexError, "topk_idx", f"< num_experts={E}"),
+    ("over_capacity", moe_ep.CapacityError, "hidden", f"max_tokens_per_rank={C}"),
+    ("out_dtype", moe_ep.DTypeError, "out", "torch.bfloat16"),
+    ("out_shape", moe_ep.ShapeError, "out", f"[5, {H}]"),
+    ("out_noncontig", moe_ep.NonContiguousError, "out", "contiguous"),
+]
+
+
+@pytest.mark.parametrize("kind, err, argument, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_forward_input(layer, kind, err, argument, expected):
+    x, idx, w, out = _bad(kind)
+    with pytest.raises(err) as e:
+        layer(x, idx, w, out=out)
+    assert e.value.argument == argument
+    assert f"argument '{argument}'" in str(e.value) and expected in str(e.value)
+    assert isinstance(e.value, ValueError)
+    if err is moe_ep.DTypeError:
+        assert isinstance(e.value, TypeError)
+    # the layer is still usable after a rejected call
+    assert layer(*_inputs()).shape == (5, H)
+
+
+@pytest.mark.parametrize("make, err, argument", [
+    (lambda: (moe_ep.MoESpec(H, I, E, K, C), _weights(rank=1, world_size=2, w13=_weights().w13[2:],
+                                                      w2=_weights().w2[2:])), moe_ep.WeightsRankError, "weights"),
+    (lambda: (moe_ep.MoESpec(H, I, 8, K, C), _weights()), moe_ep.WeightsRankError, "weights"),
+    (lambda: (moe_ep.MoESpec(H, 64, E, K, C), _weights()), moe_ep.ShapeError, "weights.w13"),
+    (lambda: (moe_ep.MoESpec(H, I, E, K, C), "weights"), moe_ep.DTypeError, "weights"),
+    (lambda: ("spec", _weights()), moe_ep.DTypeError, "spec"),
+], ids=["wrong_world", "wrong_num_experts", "wrong_shape", "not_weights", "not_spec"])
+def test_bad_layer_arguments(group, make, err, argument):
+    spec, weights = make()
+    with pytest.raises(err) as e:
+        moe_ep.MoELayer(spec, weights)
+    assert e.value.argument == argument
+
+
+def test_backend_and_format_selection_errors(group):
+    spec = moe_ep.MoESpec(H, I, E, K, C)
+    with pytest.raises(moe_ep.BackendNotFoundError) as e:
+        moe_ep.MoELayer(spec, _weights(), backend="no_such_backend")
+    assert "torch_reference" in str(e.value)
+    with pytest.raises(moe_ep.FormatError) as e:
+        moe_ep.MoELayer(spec, _weights(), fmt="int4")
+    assert e.value.argument == "fmt"
+    with pytest.raises(moe_ep.FormatError) as e:
+        moe_ep.MoELayer(spec, _weights(), backend="sm90_fp8_cutedsl", fmt="nvfp4")
+    assert e.value.argument == "fmt" and "fp8_block" in str(e.value)
+    with pytest.raises(moe_ep.CalibrationError) as e:
+        moe_ep.MoELayer(spec, _weights(), fmt="fp8_tensor")
+    assert e.value.argument == "weights.act_amax"
+    odd = moe_ep.MoESpec(96, I, E, K, C)
+    with pytest.raises(moe_ep.SpecError) as e:
+        moe_ep.MoELayer(odd, _weights(w13=torch.zeros(E, 2 * I, 96, dtype=torch.bfloat16),
+                                      w2=torch.zeros(E, 96, I, dtype=torch.bfloat16)), fmt="fp8_block")
+    assert e.value.argument == "hidden_size" and "128" in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", list(moe_ep.FORMATS))
+def test_every_format_runs_and_matches_the_oracle(group, fmt):
+    from moe_ep.reference.oracle import check_multirank
+
+    w = _weights(act_amax=6.0, fc2_act_amax=1.0)
+    with moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, K, C), w, backend="torch_reference", fmt=fmt) as lay:
+        x, idx, tw = _inputs(11)
+        out = torch.full((11, H), float("nan"), dtype=torch.bfloat16)
+        lay(x, idx, tw, out=out)
+        report = check_multirank(lay, x, idx, tw, out, weights=w)
+        assert report.ok and report.ranks[0].tokens == 11
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

@@ -1,0 +1,107 @@
+"""The backend registry: lazy entries, typed errors, arch/format selection."""
+
+import sys
+import warnings
+
+import pytest
+
+import moe_ep
+from moe_ep.core import registry
+
+KERNEL_BACKENDS = {
+    "sm90_fp8_cutedsl": ("sm90", ("fp8_block", "fp8_tensor")),
+    "sm90_bf16_cutedsl": ("sm90", ("bf16",)),
+    "sm100_nvfp4_cutedsl": ("sm100", ("nvfp4",)),
+    "sm100_mxfp8_cutedsl": ("sm100", ("mxfp8",)),
+    "sm100_bf16_cutedsl": ("sm100", ("bf16",)),
+}
+
+
+@pytest.fixture
+def scratch_names():
+    names = []
+    yield names
+    for n in names:
+        registry.unregister_backend(n)
+
+
+def test_list_backends_describes_every_entry_without_importing():
+    before = set(sys.modules)
+    info = moe_ep.list_backends()
+    assert info["torch_reference"] == ("cpu", tuple(moe_ep.FORMATS), True)
+    for name, (arch, formats) in KERNEL_BACKENDS.items():
+        assert (info[name].arch, info[name].formats) == (arch, formats)
+        assert isinstance(info[name].available, bool)
+    new = set(sys.modules) - before
+    assert not any(m.startswith("moe_ep.backends.") or m.startswith("shim") or m == "cutlass" for m in new), new
+
+
+def test_unknown_backend_lists_the_valid_names():
+    with pytest.raises(moe_ep.BackendNotFoundError) as e:
+        registry.get_entry("nope")
+    assert e.value.argument == "backend" and "torch_reference" in str(e.value) and "sm90_fp8_cutedsl" in str(e.value)
+    assert isinstance(e.value, KeyError)
+
+
+def test_absent_module_is_unavailable_with_reason(scratch_names):
+    registry.register_backend("t_absent", "moe_ep_no_such_pkg.mod:Cls", arch="sm100", formats=("nvfp4",))
+    scratch_names.append("t_absent")
+    assert moe_ep.list_backends()["t_absent"].available is False
+    with pytest.raises(moe_ep.BackendUnavailableError) as e:
+        registry.resolve_backend("t_absent")
+    assert "moe_ep_no_such_pkg.mod" in str(e.value) and "not installed" in str(e.value)
+
+
+def test_import_failure_is_unavailable_with_reason(tmp_path, monkeypatch, scratch_names):
+    (tmp_path / "moe_ep_broken_backend.py").write_text("raise ImportError('needs a GPU toolchain')\n")
+    (tmp_path / "moe_ep_ok_backend.py").write_text("class B:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.register_backend("t_broken", "moe_ep_broken_backend:B", arch="sm90", formats=("bf16",))
+    registry.register_backend("t_noattr", "moe_ep_ok_backend:Missing", arch="sm90", formats=("bf16",))
+    registry.register_backend("t_ok", "moe_ep_ok_backend:B", arch="sm90", formats=("bf16",))
+    scratch_names.extend(["t_broken", "t_noattr", "t_ok"])
+    assert moe_ep.list_backends()["t_broken"].available is True  # present; whether it imports is found later
+    with pytest.raises(moe_ep.BackendUnavailableError, match="ImportError: needs a GPU toolchain"):
+        registry.resolve_backend("t_broken")
+    with pytest.raises(moe_ep.BackendUnavailableError, match="no attribute 'Missing'"):
+        registry.resolve_backend("t_noattr")
+    assert registry.resolve_backend("t_ok").__name__ == "B"
+
+
+def test_register_rejects_bad_entries(scratch_names):
+    with pytest.raises(moe_ep.FormatError) as e:
+        registry.register_backend("t_bad", "a.b:C", arch="cpu", formats=("fp6",))
+    assert e.value.argument == "formats"
+    with pytest.raises(ValueError, match="module:attr"):
+        registry.register_backend("t_bad", "a.b.C", arch="cpu", formats=("bf16",))
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_backend("torch_reference", "a.b:C", arch="cpu", formats=("bf16",))
+
+
+def test_select_backend_by_arch_and_format(scratch_names):
+    assert registry.select_backend("cpu").name == "torch_reference"
+    assert registry.select_backend("cpu", "nvfp4").name == "torch_reference"
+    registry.register_backend("t_sm120", "moe_ep_no_such_pkg:X", arch="sm120", formats=("nvfp4",))
+    scratch_names.append("t_sm120")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        entry = registry.select_backend("sm120", "nvfp4")
+    assert entry.name == "torch_reference" and any("no kernel backend" in str(x.message) for x in w)
+    registry.register_backend("t_sm120_live", moe_ep.Backend, arch="sm120", formats=("mxfp8", "nvfp4"))
+    scratch_names.append("t_sm120_live")
+    assert registry.select_backend("sm120", "nvfp4").name == "t_sm120_live"
+    assert registry.select_backend("sm120").name == "t_sm120_live"
+    with pytest.raises(moe_ep.FormatError):
+        registry.select_backend("cpu", "int4")
+
+
+def test_detect_arch_on_this_host():
+    import torch
+
+    assert registry.detect_arch("cpu") == "cpu"
+    if not torch.cuda.is_available():
+        assert registry.detect_arch() == "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
