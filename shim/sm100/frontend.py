@@ -1,0 +1,380 @@
+"""The Blackwell MegaMoE frontends: NVFP4 (`moe_nvfp4_swapab`), MXFP8 (`moe_mxfp8_glu`), BF16 (`moe_bf16_glu`).
+
+Everything a frontend does whatever the tree (knobs -> kernel object -> workspace sizes -> symmetric
+buffers -> one compile -> padded launch) is shim.common.frontend.MegaMoEFrontend; this module says, per
+format, which kernel and constructor arguments, which peer-read buffers and how to fill them, and what the
+launch passes. Launch policy (shared with the Hopper tree, whose token-communication code these kernels
+share): inputs are capacity-sized with spare rows routed to expert -1; the top-k reduce covers the T real
+rows.
+
+Per format (facts from the drop's kernels and runners, 0.7.2.post1):
+  * NVFP4 (swap-AB): activations e2m1 pairs [C, H/2] with e4m3 scales per 16 in plain row-major layout,
+    each row padded with zeros to a multiple of 4 scales (dispatch moves scales 4 bytes at a time);
+    weights and scales as shim.sm100.weights lays them out; per-expert fc1_alpha, fc2_alpha,
+    fc1_norm_const; the FC1 input global scale comes from the calibrated amax (static activation scale).
+  * MXFP8: activations e4m3 [C, H] with e8m0 scales per 32, rows padded like NVFP4; the workspaces are
+    passed as 1-D byte tensors (this kernel takes their `.iterator`), not raw pointers.
+  * BF16: activations bf16 [C, H], no scales; the kernel writes one bf16 term per (token, slot) into a
+    symmetric [C, K, H] buffer and the frontend sums the K terms in fp32, slot order (the drop's "form A");
+    with the in-kernel reduce the buffer is [C, 1, H] and the kernel adds the terms itself.
+All three fold the routing weight into the SwiGLU output (apply_topk_in_fc1) and combine in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+from moe_ep.reference import quant
+from moe_ep.reference.quant import QuantizedActivation
+from shim.common.cute_args import ArgBuilder
+from shim.common.frontend import MegaMoEFrontend
+from shim.sm100 import limits
+from shim.sm100 import weights as sm100_weights
+from shim.sm100.knobs import IKR_KWARG, InvalidKnobsError, Sm100Knobs, resolve_knobs
+from shim.sm100.weights import GATE_UP_INTERLEAVE, SCALE_BLOCK, pack_e2m1, round_up, unpack_e2m1
+
+__all__ = ["B200_SM_COUNT", "Sm100Frontend", "Nvfp4Frontend", "Mxfp8Frontend", "Bf16Frontend", "FRONTENDS",
+           "make_frontend"]
+
+# SMs of a B200 / GB200: the occupancy a compile-only build assumes (a real one asks the device).
+B200_SM_COUNT = 148
+
+
+class Sm100Frontend(MegaMoEFrontend):
+    arch = "sm100"
+    fmt = ""
+
+    def __init__(self, *, hidden: int, intermediate: int, top_k: int, compile_only: bool = False,
+                 device=None, max_active_clusters: Optional[int] = None, **kw):
+        for argument, message in limits.size_violations(self.fmt, hidden=hidden, intermediate=intermediate,
+                                                        top_k=top_k):
+            raise ValueError(f"{argument}: {message}")
+        if compile_only:
+            arch = os.environ.get("CUTE_DSL_ARCH", "")
+            if not arch.startswith("sm_100"):
+                raise RuntimeError("a compile-only sm100 build targets sm_100a: set CUTE_DSL_ARCH=sm_100a in the "
+                                   f"environment before cutlass is imported (it is {arch or 'unset'})")
+        else:
+            dev = torch.device(device or "cuda")
+            if not torch.cuda.is_available():
+                raise RuntimeError("the sm100 MegaMoE kernels need a Blackwell (sm_100) GPU; this host has no "
+                                   "CUDA device (use compile_only=True with CUTE_DSL_ARCH=sm_100a to only compile)")
+            major, minor = torch.cuda.get_device_capability(dev)
+            if major != 10:
+                raise RuntimeError(f"the sm100 MegaMoE kernels need a Blackwell (sm_100) GPU; {dev} is "
+                                   f"sm_{major}{minor}")
+        super().__init__(hidden=hidden, intermediate=intermediate, top_k=top_k, compile_only=compile_only,
+                         device=device, max_active_clusters=max_active_clusters, **kw)
+        if compile_only and max_active_clusters is None:
+            # The base assumes a Hopper part when it cannot ask the device; this tree runs on B200-class parts.
+            self.max_active_clusters = B200_SM_COUNT // self.knobs.cluster_size
+            if self.knobs.group_hint is None:
+                self.kernel.group_hint = self.max_active_clusters
+
+    # -- shared hooks --------------------------------------------------------------------------------------
+    def symbols(self):
+        from shim.sm100 import kernel_symbols
+
+        return kernel_symbols
+
+    def resolve_knobs(self, knobs, cache_key: str):
+        return resolve_knobs(knobs, fmt=self.fmt, capacity=self.capacity, cache_key=cache_key)
+
+    def kernel_kwargs(self, knobs: Sm100Knobs) -> Dict[str, Any]:
+        """Constructor arguments every sm100 kernel takes the same way."""
+        return dict(
+            mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk,
+            use_2cta_instrs=knobs.use_2cta_instrs, group_hint=knobs.group_hint or 1,
+            load_balance_mode=knobs.load_balance_mode,
+            static_expert_shape=(self.experts_per_rank, 2 * self.intermediate, self.hidden),
+            world_size=self.world_size, num_topk=self.top_k, max_tokens_per_rank=self.capacity, hidden=self.hidden,
+            token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch, flag_batch=knobs.flag_batch,
+            gate_up_clamp=self.gate_up_clamp, apply_topk_in_fc1=True,
+            **{IKR_KWARG[self.fmt]: knobs.fc2_in_kernel_topk_reduce},
+        )
+
+    def kernel_class(self):
+        raise NotImplementedError
+
+    def format_kwargs(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def kernel_interleave(self) -> int:
+        """The kernel's SwiGLU gate/up pairing, read from the drop."""
+        raise NotImplementedError
+
+    def build_kernel(self, knobs: Sm100Knobs):
+        if self.kernel_interleave() != GATE_UP_INTERLEAVE[self.fmt]:
+            raise RuntimeError(f"the drop's {self.fmt} kernel pairs gate/up rows in groups of "
+                               f"{self.kernel_interleave()}; the weight packer assumes {GATE_UP_INTERLEAVE[self.fmt]}")
+        try:
+            kernel = self.kernel_class()(**self.kernel_kwargs(knobs), **self.format_kwargs())
+        except (ValueError, NotImplementedError, AssertionError, TypeError) as e:
+            raise InvalidKnobsError("knobs", f"the {self.fmt} kernel rejects {knobs}: {e}") from e
+        self.check_kernel(kernel)
+        return kernel
+
+    def check_kernel(self, kernel) -> None:
+        """Cross-check what the kernel object derived against the buffers this frontend will hand it."""
+
+    def prepare_weights(self, w13, w2):
+        return sm100_weights.prepare_weights(self.fmt, w13, w2, self.device,
+                                             expert_offset=self.rank * self.experts_per_rank)
+
+    def _placeholder(self):
+        return sm100_weights.placeholder_weights(self.fmt, self.experts_per_rank, self.hidden, self.intermediate,
+                                                 device=self.device)
+
+    def _mapper(self):
+        return self.symbols().SymBufferHost(base_addr=self.peer_base, offsets=tuple(self.peer_offsets),
+                                            rank_idx=self.rank, num_max_ranks=self.world_size)
+
+    def workspace_args(self, b: ArgBuilder) -> Dict[str, Any]:
+        return dict(local_workspace=b.byte_ptr(self.local_ws), shared_workspace=b.byte_ptr(self.shared_ws))
+
+    def output_args(self, b: ArgBuilder, out: torch.Tensor) -> Dict[str, Any]:
+        return dict(output_activation=b.tensor(out))
+
+    def _runtime_args(self, b: ArgBuilder, rows: int, out: torch.Tensor) -> dict:
+        if self._weights is None:
+            self._weights = self._placeholder()
+        args = self.activation_args(b, rows)
+        args.update(topk_idx=b.tensor(self.topk_idx[:rows]), topk_weights=b.tensor(self.topk_w[:rows]))
+        args.update(self.weight_args(b, self._weights))
+        args.update(self.output_args(b, out))
+        args.update(self.workspace_args(b))
+        args.update(peer_rank_ptr_mapper_host=self._mapper(), stream=b.stream())
+        return args
+
+    # -- what moe_ep reads back ------------------------------------------------------------------------------
+    def symmetric_bytes(self) -> int:
+        """Bytes this workspace holds on the NVSHMEM heap (every rank the same)."""
+        names = ["shared_ws", "topk_w"] + [n for n, _, _ in self.input_buffers()]
+        total = sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+        if self.sym_out is not None:
+            total += self.sym_out.numel() * self.sym_out.element_size()
+        return total
+
+    def staged_activation(self, t: int) -> QuantizedActivation:
+        raise NotImplementedError
+
+
+class _BlockScaledFrontend(Sm100Frontend):
+    """NVFP4 and MXFP8: quantized activations plus per-row block scales, weight scales swizzled."""
+
+    act_dtype: torch.dtype
+    scale_dtype: torch.dtype
+
+    @property
+    def scale_cols(self) -> int:
+        """Scale columns per staged row: H / block, padded to whole 4-byte words."""
+        return round_up(self.hidden // SCALE_BLOCK[self.fmt], 4)
+
+    def check_kernel(self, kernel) -> None:
+        if kernel.sf_uint32_per_token * 4 != self.scale_cols:
+            raise RuntimeError(f"the {self.fmt} kernel pulls {kernel.sf_uint32_per_token * 4} scale bytes per token; "
+                               f"the frontend stages {self.scale_cols}")
+
+    def act_shape(self):
+        raise NotImplementedError
+
+    def input_buffers(self):
+        c = self.capacity
+        return [("act", (c,) + self.act_shape(), self.act_dtype), ("act_sf", (c, self.scale_cols), self.scale_dtype)]
+
+    def activation_args(self, b, rows: int):
+        return dict(activation=b.tensor(self.act[:rows]), activation_sf=b.tensor(self.act_sf[:rows]))
+
+    def weight_args(self, b, w):
+        return dict(fc1_weight=b.tensor(w.fc1), fc1_weight_sf=b.tensor(w.fc1_sf), fc2_weight=b.tensor(w.fc2),
+                    fc2_weight_sf=b.tensor(w.fc2_sf))
+
+    def _write_staged(self, t: int, q: torch.Tensor, sf: torch.Tensor) -> None:
+        self.act[:t].view(torch.uint8).copy_(q.view(torch.uint8))
+        self.act_sf[:t, : sf.shape[1]].view(torch.uint8).copy_(sf.view(torch.uint8))
+
+
+class Nvfp4Frontend(_BlockScaledFrontend):
+    fmt = "nvfp4"
+    act_dtype = torch.float4_e2m1fn_x2
+    scale_dtype = torch.float8_e4m3fn
+
+    def kernel_class(self):
+        return self.symbols().Sm100MegaMoEKernel
+
+    def kernel_interleave(self) -> int:
+        return int(self.symbols().SwapABSwigluFp4Epilogue._EpilogueFc1GateUpInterleave)
+
+    def format_kwargs(self):
+        import cutlass
+
+        ks = self.symbols()
+        return dict(token_padding_block=int(ks.SwapABSwigluFp4Epilogue._EpilogueTokenTileSize),
+                    sf_padding_block=ks.SfPaddingBlock, sf_vec_size=ks.Nvfp4BlockSize,
+                    fc2_output_dtype=cutlass.BFloat16, combine_format=ks.CombineFormat.parse("bf16"),
+                    non_ubulk_fc2_store=True)
+
+    def act_shape(self):
+        return (self.hidden // 2,)
+
+    def weight_args(self, b, w):
+        args = super().weight_args(b, w)
+        args.update(fc1_alpha=b.tensor(w.fc1_alpha, 4), fc2_alpha=b.tensor(w.fc2_alpha, 4),
+                    fc1_norm_const=b.tensor(w.fc1_norm_const, 4))
+        return args
+
+    def calibrate(self, act_amax: Optional[float], fc2_act_amax: Optional[float]) -> None:
+        """The static activation calibration load_weights() quantizes with (moe_ep ExpertWeights fields)."""
+        self._act_amax, self._fc2_act_amax = act_amax, fc2_act_amax
+
+    def prepare_weights(self, w13, w2):
+        return sm100_weights.prepare_weights(self.fmt, w13, w2, self.device,
+                                             expert_offset=self.rank * self.experts_per_rank,
+                                             act_amax=getattr(self, "_act_amax", None),
+                                             fc2_act_amax=getattr(self, "_fc2_act_amax", None))
+
+    def stage_activations(self, x: torch.Tensor) -> None:
+        codes, sf = quant.nvfp4_quantize(x, self._weights.act_scale.reshape(1, 1))
+        self._write_staged(x.shape[0], pack_e2m1(codes), sf)
+
+    def staged_activation(self, t: int) -> QuantizedActivation:
+        h = self.hidden
+        return QuantizedActivation("nvfp4", unpack_e2m1(self.act[:t]),
+                                   self.act_sf[:t, : h // SCALE_BLOCK["nvfp4"]].clone())
+
+
+class Mxfp8Frontend(_BlockScaledFrontend):
+    fmt = "mxfp8"
+    act_dtype = torch.float8_e4m3fn
+    scale_dtype = torch.float8_e8m0fnu
+
+    def kernel_class(self):
+        return self.symbols().Sm100MegaMoEMxfp8Kernel
+
+    def kernel_interleave(self) -> int:
+        return int(self.symbols().Sm100MegaMoEMxfp8Kernel.GateUpInterleave)
+
+    def format_kwargs(self):
+        import cutlass
+
+        ks = self.symbols()
+        return dict(token_padding_block=int(ks.EpilogueTokenTile), sf_padding_block=ks.SfPaddingBlock,
+                    ab_dtype=cutlass.Float8E4M3FN, sf_vec_size=ks.Mxfp8BlockSize, local_rank=self.rank,
+                    generate_c=False, use_stg_fc1=False, combine_format=ks.CombineFormat.parse("bf16"))
+
+    def act_shape(self):
+        return (self.hidden,)
+
+    def activation_args(self, b, rows: int):
+        args = super().activation_args(b, rows)
+        args["fc1_c"] = None
+        return args
+
+    def workspace_args(self, b):
+        return dict(local_workspace=b.tensor(self.local_ws), shared_workspace=b.tensor(self.shared_ws))
+
+    def stage_activations(self, x: torch.Tensor) -> None:
+        q, sf = quant.mxfp8_quantize(x)
+        self._write_staged(x.shape[0], q, sf)
+
+    def staged_activation(self, t: int) -> QuantizedActivation:
+        h = self.hidden
+        return QuantizedActivation("mxfp8", self.act[:t].clone(), self.act_sf[:t, : h // SCALE_BLOCK["mxfp8"]].clone())
+
+
+class Bf16Frontend(Sm100Frontend):
+    fmt = "bf16"
+
+    def kernel_class(self):
+        return self.symbols().Sm100MegaMoEBf16Kernel
+
+    def kernel_interleave(self) -> int:
+        return int(self.symbols().Sm100MegaMoEBf16Kernel.GateUpInterleave)
+
+    def format_kwargs(self):
+        import cutlass
+
+        ks = self.symbols()
+        return dict(token_padding_block=int(ks.EpilogueTokenTile), ab_dtype=cutlass.BFloat16, local_rank=self.rank,
+                    token_back_by_dispatch=self.knobs.token_back_by_dispatch, generate_c=False, use_stg_fc1=False)
+
+    def input_buffers(self):
+        c, h = self.capacity, self.hidden
+        bufs = [("act", (c, h), torch.bfloat16)]
+        if not self.knobs.fc2_in_kernel_topk_reduce:
+            # One bf16 term per (token, slot), written by the rank that ran the expert.
+            bufs.append(("combine", (c, self.top_k, h), torch.bfloat16))
+        return bufs
+
+    @property
+    def combine_buffer(self) -> torch.Tensor:
+        """[C, K, H] (or [C, 1, H] with the in-kernel reduce, a view of the base's symmetric output)."""
+        if self.knobs.fc2_in_kernel_topk_reduce:
+            return self.sym_out.view(self.capacity, 1, self.hidden)
+        return self.combine
+
+    def activation_args(self, b, rows: int):
+        return dict(activation=b.tensor(self.act[:rows]), fc1_c=None)
+
+    def weight_args(self, b, w):
+        return dict(fc1_weight=b.tensor(w.fc1), fc2_weight=b.tensor(w.fc2))
+
+    def output_args(self, b, out):
+        # The kernel's destination is the symmetric term buffer, whatever `out` is.
+        return dict(combine_output=b.tensor(self.combine_buffer))
+
+    def workspace_args(self, b):
+        return dict(local_workspace=b.tensor(self.local_ws), shared_workspace=b.tensor(self.shared_ws))
+
+    def stage_activations(self, x: torch.Tensor) -> None:
+        self.act[: x.shape[0]].copy_(x)
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As MegaMoEFrontend.forward, but the top-k reduce of the [C, K, H] terms is done here."""
+        if self._weights is None:
+            raise RuntimeError("load_weights() must run before forward()")
+        if self.compiled is None:
+            self.compile()
+        t = x.shape[0]
+        if out is None:
+            out = torch.empty((t, self.hidden), dtype=torch.bfloat16, device=self.device)
+        rows = self.capacity
+        if rows > t:
+            self.topk_idx[t:rows].fill_(-1)
+        if t:
+            self.stage_activations(x)
+            self.topk_idx[:t].copy_(topk_idx)
+            self.topk_w[:t].copy_(topk_weights)
+        terms = self.combine_buffer
+        if self.knobs.fc2_in_kernel_topk_reduce:
+            terms[:t].zero_()  # the kernel accumulates into it
+        key = (rows, 0, 0)
+        args = self._args_cache.get(key)
+        if args is None:
+            args = self._args_cache[key] = self._runtime_args(ArgBuilder(real=True), rows, self.out_buf)
+        else:
+            args["stream"] = ArgBuilder(real=True).stream()
+        self.compiled(**args)
+        if t:
+            # fp32 sum in slot order, rounded once (the NVFP4 / MXFP8 kernels' own top-k reduce does the same).
+            acc = terms[:t, 0].to(torch.float32)
+            for j in range(1, terms.shape[1]):
+                acc = acc + terms[:t, j].to(torch.float32)
+            out.copy_(acc.to(torch.bfloat16))
+        return out
+
+    def staged_activation(self, t: int) -> QuantizedActivation:
+        return QuantizedActivation("bf16", self.act[:t].clone())
+
+
+FRONTENDS = {"nvfp4": Nvfp4Frontend, "mxfp8": Mxfp8Frontend, "bf16": Bf16Frontend}
+
+
+def make_frontend(fmt: str, **kw) -> Sm100Frontend:
+    if fmt not in FRONTENDS:
+        raise ValueError(f"fmt must be one of {sorted(FRONTENDS)}, got {fmt!r}")
+    return FRONTENDS[fmt](**kw)
