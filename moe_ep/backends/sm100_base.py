@@ -1,0 +1,76 @@
+"""What the three Blackwell (sm100) MegaMoE backends share: a thin moe_ep.Backend over one shim.sm100
+frontend. The shim is imported inside methods, so registering or listing these backends imports nothing
+heavy, and check_spec() asks shim.sm100.limits, which does not load the kernel tree."""
+
+from __future__ import annotations
+
+from typing import ClassVar, List, Optional, Tuple
+
+from moe_ep.core.backend import Backend
+from moe_ep.core.errors import BackendUnavailableError
+from moe_ep.core.weights import ExpertWeights, QuantizedWeights
+
+__all__ = ["Sm100Backend"]
+
+
+class Sm100Backend(Backend):
+    arch = "sm100"
+    name: ClassVar[str] = "sm100_abstract"
+    weight_formats: ClassVar[Tuple[str, ...]] = ()
+
+    def __init__(self, spec, ctx, fmt: Optional[str] = None, *, knobs=None, max_active_clusters=None,
+                 knob_cache_key: Optional[str] = None):
+        super().__init__(spec, ctx, fmt)
+        from moe_ep.core.registry import detect_arch
+
+        found = detect_arch(ctx.device)
+        if found != "sm100":
+            raise BackendUnavailableError("device", f"{self.name} runs the Blackwell (sm100) kernels; {ctx.device} "
+                                                    f"is {found}")
+        from shim.common.knob_cache import cache_key
+        from shim.sm100.frontend import make_frontend
+
+        e_local = spec.experts_per_rank(ctx.world_size)
+        key = knob_cache_key or cache_key(
+            arch="sm100", fmt=self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
+            experts_per_rank=e_local, top_k=spec.top_k, world_size=ctx.world_size, capacity=spec.max_tokens_per_rank)
+        self.frontend = make_frontend(
+            self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size, experts_per_rank=e_local,
+            top_k=spec.top_k, capacity=spec.max_tokens_per_rank, rank=ctx.rank, world_size=ctx.world_size,
+            group=ctx.group, device=ctx.device, knobs=knobs, gate_up_clamp=spec.gate_up_clamp, knob_cache_key=key,
+            max_active_clusters=max_active_clusters)
+        self._last_t = 0
+
+    @classmethod
+    def check_spec(cls, spec, fmt: str, world_size: int) -> List[Tuple[str, str]]:
+        from shim.sm100 import limits
+
+        problems = list(super().check_spec(spec, fmt, world_size))
+        if fmt not in cls.weight_formats:
+            problems.append(("fmt", f"{cls.name} serves {list(cls.weight_formats)}, not {fmt!r}"))
+            return problems
+        problems += limits.size_violations(fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
+                                           top_k=spec.top_k)
+        return problems
+
+    @property
+    def knobs(self):
+        return self.frontend.knobs
+
+    def prepare_weights(self, weights: ExpertWeights) -> None:
+        self.frontend.load_weights(weights.w13, weights.w2)
+        self.frontend.compile()
+
+    def forward(self, hidden, topk_idx, topk_weights, out):
+        self._last_t = hidden.shape[0]
+        return self.frontend.forward(hidden, topk_idx, topk_weights, out)
+
+    def oracle_weights(self) -> QuantizedWeights:
+        # Read back from the tensors the kernel is handed (unpacked, de-swizzled, de-interleaved).
+        return self.frontend.weights.canonical()
+
+    def staged_activation(self):
+        return self.frontend.staged_activation(self._last_t)
+
+    def close(self) -> None:
+        self.frontend.close()
