@@ -64,17 +64,29 @@ def autotune(make_frontend: Callable[[Fp8Knobs], object], w13: torch.Tensor, w2:
             idx = torch.rand(t, experts_total, generator=gen).argsort(dim=1)[:, :top_k].to(dev)
             w = torch.softmax(torch.randn(t, top_k, generator=gen), dim=-1).to(dev)
             out = torch.empty(t, fe.hidden, dtype=torch.bfloat16, device=dev)
-            for _ in range(3):
+            # Timed as CUDA-graph replays: an eager launch costs ~200 us of host time on the H200 host, more
+            # than the kernel itself at small T, and would make every candidate look alike.
+            s = torch.cuda.Stream(dev)
+            s.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    fe.forward(x, idx, w, out)
+            torch.cuda.current_stream(dev).wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 fe.forward(x, idx, w, out)
+            for _ in range(3):
+                graph.replay()
             torch.cuda.synchronize(dev)
             times = []
             for _ in range(iters):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                fe.forward(x, idx, w, out)
+                graph.replay()
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b) * 1e3)
+            del graph
             return times
         finally:
             fe.close()
