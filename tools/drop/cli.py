@@ -103,7 +103,10 @@ def _report_path(repo: Path, tree: Tree, old: str, new: str, option: Optional[st
     if option == "-":
         return None
     if option:
-        return Path(option)
+        # Under `bazel run` the process starts in the runfiles tree: resolve relative to the caller's cwd.
+        p = Path(option)
+        cwd = os.environ.get("BUILD_WORKING_DIRECTORY")
+        return p if p.is_absolute() or not cwd else Path(cwd) / p
     slug = lambda s: s.split(" ")[0].replace("/", "_")  # noqa: E731
     return repo / "docs" / "drop" / f"audit-{tree.name}-{slug(old)}-to-{slug(new)}.md"
 
