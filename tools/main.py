@@ -1,23 +1,98 @@
-"""The main job: `bazel run //tools:main`.
+"""The main job: one scaled-down DeepSeek-V3-like MoE layer across N local ranks, checked against the oracle.
 
-PLACEHOLDER, to be replaced by the runtime owner (moe_ep/): it only proves that the locked
-environment runs. The real job imports moe_ep and runs an EP MoE layer end to end.
+    bazel run //tools:main                       # 4 CPU ranks (gloo), the default backend for this host
+    bazel run //tools:main -- --fmt fp8_block    # any format the backend serves
+    python -m tools.main --ranks 2 --tokens 37   # the same without Bazel
+
+DeepSeek-V3's MoE is hidden 7168, moe_intermediate 2048, 256 experts, top-8; the default here keeps its
+shape (top-8, many experts, I = H/4) at a size a 2-core laptop runs in seconds. On a GPU host the ranks run
+on CUDA over NCCL and the registry picks the kernel backend for the GPU's arch (sm90, sm100).
 """
 
+from __future__ import annotations
+
+import argparse
 import sys
+import time
+
+_DESCRIPTION = __doc__.split("\n\n")[0]
 
 
-def main() -> int:
-    import torch  # from the locked environment (requirements.lock), not the machine's python3
+def _device_and_ranks(device: str, ranks):
+    import torch
 
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if ranks is None:
+        ranks = 4 if device == "cpu" else max(1, min(4, torch.cuda.device_count()))
+    return device, ranks
+
+
+def _table(rows, headers):
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="main", description=_DESCRIPTION)
+    ap.add_argument("--ranks", type=int, default=None, help="EP ranks (default 4 on CPU, up to 4 GPUs)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--backend", default="auto", help="'auto' (by arch) or a registered backend name")
+    ap.add_argument("--fmt", default=None, help="bf16 | fp8_block | fp8_tensor | mxfp8 | nvfp4 (default: the "
+                                                "backend's own)")
+    ap.add_argument("--tokens", type=int, default=100, help="tokens per rank")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=256, help="I (the down projection's K); gate+up is 2I")
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--routing", default="balanced", choices=("balanced", "uniform", "skewed", "no_local"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--iters", type=int, default=5, help="timed forwards per rank (median is shown)")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    args = ap.parse_args(argv)
+
+    device, ranks = _device_and_ranks(args.device, args.ranks)
+    from tools.launch.launcher import RankFailure, launch_function
+
+    kwargs = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_experts=args.experts,
+                  top_k=args.topk, tokens=args.tokens, routing=args.routing, seed=args.seed,
+                  backend=None if args.backend == "auto" else args.backend, fmt=args.fmt, iters=args.iters,
+                  raise_on_failure=False)
+    t0 = time.perf_counter()
     try:
-        import moe_ep  # noqa: F401  (reachable once tools/BUILD lists //moe_ep in deps)
-        have_moe_ep = True
-    except ImportError:
-        have_moe_ep = False
-    print(f"megamoe-ep main (placeholder): python {sys.version.split()[0]} at {sys.executable}, "
-          f"torch {torch.__version__}, moe_ep importable: {have_moe_ep}")
-    return 0
+        results = launch_function("moe_ep.testing.scenario:run_scenario", ranks, kwargs, device=device,
+                                  timeout_s=args.timeout)
+    except RankFailure as e:
+        print(f"main job failed:\n{e}", file=sys.stderr)
+        return 1
+    wall = time.perf_counter() - t0
+
+    r0 = results[0]
+    e_local = args.experts // ranks
+    print(f"megamoe-ep main job: {ranks} rank(s) on {device} "
+          f"({'NCCL' if device == 'cuda' else 'gloo'}), backend {r0['backend']}, fmt {r0['fmt']}")
+    print(f"layer: hidden {args.hidden}, intermediate {args.intermediate} (gate+up {2 * args.intermediate}), "
+          f"{args.experts} experts ({e_local} per rank), top-{args.topk}, routing {args.routing}")
+    rows = []
+    for r in results:
+        shape = f"[{r['tokens']}, {args.hidden}]"
+        rows.append([str(r["rank"]), shape, r["backend"], r["fmt"], f"{r['max_abs_err']:.3e}",
+                     f"{r['max_row_rel_err']:.3e}", "ok" if not r["problems"] else "FAIL",
+                     f"{r.get('time_ms', float('nan')):.2f}"])
+    print(_table(rows, ["rank", "shape", "backend", "fmt", "max abs err", "max rel err", "oracle",
+                        "time (ms)"]))
+    ok = all(r["ok"] for r in results)
+    times = [r["time_ms"] for r in results if "time_ms" in r]
+    slowest = max(times) if times else float("nan")
+    print(f"oracle check: {'PASS' if ok else 'FAIL'} (per-token relative error vs the torch oracle, "
+          f"tolerance {r0['tolerance']:g}); layer time {slowest:.2f} ms (slowest rank, median of {args.iters}); "
+          f"job wall {wall:.1f} s")
+    if not ok:
+        for r in results:
+            for p in r["problems"]:
+                print(f"  rank {r['rank']}: {p}", file=sys.stderr)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
