@@ -10,7 +10,8 @@ costs only the tree bootstrap and its guard against the Hopper tree.
 Runner modules (`*/mega_runner.py`, `*/runner_fc12*.py`) are never named here:
 they import the kernel team's `tester` package, which is not in the drop.
 `moe_nvfp4_swapab.runner_common` is a host-helper module (torch only); its layout
-helpers are exported so tests can check the shim's scale swizzle against them.
+helpers are exported so tests can check the shim's layouts (scale swizzle, e2m1 nibble order, gate/up
+pairing) against them.
 """
 
 from shim.common import tree as _tree
@@ -42,6 +43,7 @@ _LAZY = {
     "to_blocked": ("moe_nvfp4_swapab.runner_common", "to_blocked"),
     "from_blocked": ("moe_nvfp4_swapab.runner_common", "from_blocked"),
     "unpack_fp4_to_f32": ("moe_nvfp4_swapab.runner_common", "unpack_fp4_to_f32"),
+    "swiglu_fold_interleave": ("moe_nvfp4_swapab.runner_common", "swiglu_fold_interleave"),
 }
 
 __all__ = [*_LAZY]

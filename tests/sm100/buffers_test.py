@@ -1,0 +1,142 @@
+"""Workspace and symmetric-buffer sizing of the Blackwell frontends, and what they refuse, on CPU.
+
+compile_only frontends build the real kernel objects (their constructors size the workspaces) and
+allocate every buffer in host memory, so the sizes a GPU run would allocate are checked here against the
+kernels' own numbers; activation staging is checked byte for byte against moe_ep's quantizers.
+"""
+import pytest
+import torch
+
+from moe_ep.reference import quant
+from tests.sm100.helpers import canonical_weights, same_bytes
+
+pytestmark = pytest.mark.usefixtures("sm100_tree")
+
+GEOM = dict(hidden=512, intermediate=256, experts_per_rank=4, top_k=3, capacity=96)
+
+
+def _frontend(fmt, **kw):
+    from shim.sm100.frontend import make_frontend
+
+    args = dict(GEOM, compile_only=True, world_size=2, rank=1)
+    args.update(kw)
+    return make_frontend(fmt, **args)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
+def test_workspaces_are_the_kernels_sizes(fmt):
+    f = _frontend(fmt)
+    local, shared = f.kernel.get_workspace_sizes()
+    assert f.local_ws.dtype == torch.uint8 and f.local_ws.numel() == local > 0
+    assert f.shared_ws.dtype == torch.uint8 and f.shared_ws.numel() == shared > 0
+    c, k, h = GEOM["capacity"], GEOM["top_k"], GEOM["hidden"]
+    assert tuple(f.topk_idx.shape) == (c, k) and f.topk_idx.dtype == torch.int64
+    assert tuple(f.topk_w.shape) == (c, k) and f.topk_w.dtype == torch.float32
+    # The kernel object was built for this geometry and these knobs.
+    kern = f.kernel
+    assert (kern.world_size, kern.num_topk, kern.max_tokens_per_rank, kern.hidden) == (2, k, c, h)
+    assert kern.num_experts_per_rank == GEOM["experts_per_rank"]
+    assert kern.intermediate_gateup == 2 * GEOM["intermediate"]
+    assert kern.token_back_mode == f.knobs.token_back_mode and kern.apply_topk_in_fc1
+    assert not kern.combine_format.is_quantized
+
+
+@pytest.mark.parametrize("fmt, blk, act_cols, act_dtype, sf_dtype", [
+    ("nvfp4", 16, 256, torch.float4_e2m1fn_x2, torch.float8_e4m3fn),
+    ("mxfp8", 32, 512, torch.float8_e4m3fn, torch.float8_e8m0fnu),
+])
+def test_block_scaled_inputs_match_what_dispatch_pulls(fmt, blk, act_cols, act_dtype, sf_dtype):
+    f = _frontend(fmt)
+    c, h = GEOM["capacity"], GEOM["hidden"]
+    assert f.act.dtype == act_dtype and tuple(f.act.shape) == (c, act_cols)
+    assert f.act.numel() * f.act.element_size() == f.kernel.hidden_bytes * c
+    # Scale rows padded to whole 32-bit words: exactly what the kernel's dispatch moves per token.
+    assert f.act_sf.dtype == sf_dtype and tuple(f.act_sf.shape) == (c, f.kernel.sf_uint32_per_token * 4)
+    assert f.act_sf.shape[1] == -(-(h // blk) // 4) * 4
+
+
+def test_bf16_terms_buffer_and_in_kernel_reduce_variant():
+    from shim.sm100.knobs import heuristic_knobs
+
+    c, k, h = GEOM["capacity"], GEOM["top_k"], GEOM["hidden"]
+    f = _frontend("bf16")
+    assert f.act.dtype == torch.bfloat16 and tuple(f.act.shape) == (c, h)
+    assert tuple(f.combine_buffer.shape) == (c, k, h) and f.sym_out is None
+    ikr = heuristic_knobs("bf16", c).replace(fc2_in_kernel_topk_reduce=True, token_back_mode="reuse_dispatch_warps")
+    g = _frontend("bf16", knobs=ikr)
+    assert g.kernel.fc2_in_kernel_topk_reduce and not hasattr(g, "combine")
+    assert tuple(g.combine_buffer.shape) == (c, 1, h)
+    assert g.combine_buffer.data_ptr() == g.sym_out.data_ptr()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
+def test_symmetric_bytes_is_the_sum_of_heap_buffers(fmt):
+    f = _frontend(fmt)
+    c, k, h = GEOM["capacity"], GEOM["top_k"], GEOM["hidden"]
+    shared = f.kernel.get_workspace_sizes()[1]
+    if fmt == "bf16":
+        act = c * h * 2 + c * k * h * 2  # activations + one bf16 term per (token, slot)
+    else:
+        act = c * h // (2 if fmt == "nvfp4" else 1) + c * f.act_sf.shape[1]
+    assert f.symmetric_bytes() == shared + act + c * k * 4
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
+def test_staged_activations_are_the_reference_quantization(fmt):
+    w13, w2 = canonical_weights(GEOM["experts_per_rank"], GEOM["hidden"], GEOM["intermediate"])
+    f = _frontend(fmt)
+    if fmt == "nvfp4":
+        f.calibrate(5.0, 0.5)
+    f.load_weights(w13, w2)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, GEOM["hidden"], generator=g) * 2).to(torch.bfloat16)
+    x[4, :64] = 0
+    f.stage_activations(x)
+    got = f.staged_activation(37)
+    want = quant.quantize_input(f.weights.canonical(), x)
+    assert got.fmt == fmt and same_bytes(got.q, want.q)
+    if fmt != "bf16":
+        assert same_bytes(got.scale, want.scale)
+        pad = f.act_sf[:, want.scale.shape[1]:]
+        assert pad.numel() == 0 or not pad.view(torch.uint8).any()  # the word padding stays zero
+    assert not f.act[37:].view(torch.uint8).any()  # rows past T untouched
+
+
+def test_bad_geometry_names_the_argument_before_anything_is_built():
+    from shim.sm100.frontend import make_frontend
+
+    with pytest.raises(ValueError, match="hidden_size: must be a multiple of 64"):
+        make_frontend("nvfp4", **dict(GEOM, hidden=480), compile_only=True)
+    with pytest.raises(ValueError, match="intermediate_size: must be a multiple of 32"):
+        make_frontend("bf16", **dict(GEOM, intermediate=48), compile_only=True)
+    with pytest.raises(ValueError, match="top_k: must be in"):
+        make_frontend("mxfp8", **dict(GEOM, top_k=33), compile_only=True)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        make_frontend("fp8_block", **GEOM, compile_only=True)
+
+
+def test_a_knob_set_the_kernel_cannot_build_is_refused_by_name():
+    from shim.sm100.knobs import InvalidKnobsError, heuristic_knobs
+
+    k = heuristic_knobs("mxfp8", 96).replace(fc2_in_kernel_topk_reduce=True, token_back_mode="standalone_warps")
+    with pytest.raises(InvalidKnobsError) as err:
+        _frontend("mxfp8", knobs=k)
+    assert err.value.knob == "fc2_in_kernel_topk_reduce"
+    with pytest.raises(InvalidKnobsError) as err:
+        _frontend("nvfp4", knobs={"mma_tiler_mnk": (256, 96, 256)})
+    assert err.value.knob == "mma_tiler_mnk"
+
+
+def test_compile_only_needs_the_blackwell_target(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    with pytest.raises(RuntimeError, match="CUTE_DSL_ARCH=sm_100a"):
+        _frontend("bf16")
+
+
+def test_a_real_frontend_needs_a_blackwell_gpu():
+    from shim.sm100.frontend import make_frontend
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
+        pytest.fail("this CPU test expects a host without a Blackwell GPU")
+    with pytest.raises(RuntimeError, match="Blackwell"):
+        make_frontend("nvfp4", **GEOM)

@@ -1,0 +1,149 @@
+"""The forward path of the Blackwell frontends around the launch, on CPU with a stand-in kernel.
+
+The compiled kernel is replaced by a function that sees the very tensors a launch would be handed (the
+argument builder is swapped for one that passes torch tensors through), so what is checked is the
+frontend's own policy: capacity-sized inputs with spare rows routed to expert -1, the output extent, the
+argument cache, the in-kernel-reduce zeroing and the BF16 top-k sum.
+"""
+import pytest
+import torch
+
+from tests.sm100.helpers import canonical_weights
+
+pytestmark = pytest.mark.usefixtures("sm100_tree")
+
+GEOM = dict(hidden=256, intermediate=128, experts_per_rank=2, top_k=4, capacity=32)
+
+
+class PassThroughArgs:
+    """ArgBuilder stand-in: the kernel 'arguments' are the torch tensors themselves."""
+
+    def __init__(self, real: bool):
+        self.real = real
+
+    def tensor(self, t, align=16):
+        return t
+
+    def byte_ptr(self, t, align=16):
+        return t
+
+    def stream(self):
+        return "stream"
+
+
+@pytest.fixture
+def frontend(monkeypatch):
+    import shim.common.frontend
+    import shim.sm100.frontend
+
+    monkeypatch.setattr(shim.common.frontend, "ArgBuilder", PassThroughArgs)
+    monkeypatch.setattr(shim.sm100.frontend, "ArgBuilder", PassThroughArgs)
+
+    def make(fmt, knobs=None):
+        f = shim.sm100.frontend.make_frontend(fmt, **GEOM, compile_only=True, knobs=knobs)
+        if fmt == "nvfp4":
+            f.calibrate(4.0, 1.0)
+        f.load_weights(*canonical_weights(GEOM["experts_per_rank"], GEOM["hidden"], GEOM["intermediate"]))
+        f.launches = []
+        return f
+
+    return make
+
+
+def _inputs(t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, GEOM["hidden"], generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 4, (t, GEOM["top_k"]), generator=g)
+    w = torch.rand(t, GEOM["top_k"], generator=g)
+    return x, idx, w
+
+
+def _kernel_writing_output(f, value):
+    def kernel(**args):
+        f.launches.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()})
+        args["output_activation"].fill_(value)
+    return kernel
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("t", [0, 1, 19, 32])
+def test_inputs_are_capacity_sized_and_spare_rows_are_masked(frontend, fmt, t):
+    f = frontend(fmt)
+    f.compiled = _kernel_writing_output(f, 7.0)
+    x, idx, w = _inputs(t)
+    f.topk_idx.fill_(3)  # stale routing from an earlier, larger call
+    out = torch.zeros(t, GEOM["hidden"], dtype=torch.bfloat16)
+    got = f.forward(x, idx, w, out)
+    assert got is out and bool((out == 7.0).all())
+    (a,) = f.launches
+    c = GEOM["capacity"]
+    assert a["activation"].shape[0] == c and a["activation_sf"].shape[0] == c
+    assert a["topk_idx"].shape[0] == c and a["topk_weights"].shape[0] == c
+    assert torch.equal(a["topk_idx"][:t], idx) and bool((a["topk_idx"][t:] == -1).all())
+    assert torch.equal(a["topk_weights"][:t], w)
+    # The top-k reduce covers the real rows only (one row when T = 0, so the launch stays well formed).
+    assert a["output_activation"].shape[0] == max(t, 1)
+    assert a["peer_rank_ptr_mapper_host"].num_max_ranks == 1 and a["stream"] == "stream"
+    if fmt == "mxfp8":
+        assert a["fc1_c"] is None and a["local_workspace"].dim() == 1  # byte tensors, not pointers
+    else:
+        assert set(a) >= {"fc1_alpha", "fc2_alpha", "fc1_norm_const"} and "fc1_c" not in a
+
+
+def test_arguments_are_built_once_per_output_buffer(frontend):
+    f = frontend("mxfp8")
+    f.compiled = _kernel_writing_output(f, 1.0)
+    x, idx, w = _inputs(5)
+    out = torch.empty(5, GEOM["hidden"], dtype=torch.bfloat16)
+    f.forward(x, idx, w, out)
+    f.forward(x, idx, w, out)
+    assert len(f._args_cache) == 1
+    f.forward(x[:3], idx[:3], w[:3])
+    assert len(f._args_cache) == 2
+
+
+def test_in_kernel_reduce_output_is_zeroed_before_every_launch(frontend):
+    from shim.sm100.knobs import heuristic_knobs
+
+    f = frontend("nvfp4", heuristic_knobs("nvfp4", GEOM["capacity"]).replace(fc2_in_kernel_topk_reduce=True))
+    seen = []
+
+    def kernel(**args):
+        o = args["output_activation"]
+        seen.append(float(o[:6].abs().sum()))
+        o.add_(2.0)  # accumulate, as the cross-rank atomic adds do
+    f.compiled = kernel
+    x, idx, w = _inputs(6)
+    for _ in range(2):
+        out = f.forward(x, idx, w)
+        assert bool((out == 2.0).all())
+    assert seen == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("t", [0, 3, 32])
+def test_bf16_sums_the_topk_terms_in_fp32(frontend, t):
+    f = frontend("bf16")
+    k, h = GEOM["top_k"], GEOM["hidden"]
+
+    def kernel(**args):
+        assert "output_activation" not in args and args["fc1_c"] is None
+        assert args["topk_idx"].shape[0] == GEOM["capacity"]
+        assert bool((args["topk_idx"][t:] == -1).all())
+        terms = args["combine_output"]
+        assert tuple(terms.shape) == (GEOM["capacity"], k, h)
+        for j in range(k):  # 1, 2**-9, ... : an fp32 sum keeps what a bf16 running sum would drop
+            terms[:, j] = 1.0 if j == 0 else 2.0 ** -9
+    f.compiled = kernel
+    x, idx, w = _inputs(t)
+    out = f.forward(x, idx, w)
+    assert tuple(out.shape) == (t, h) and out.dtype == torch.bfloat16
+    want = torch.tensor(1.0 + (k - 1) * 2.0 ** -9).to(torch.bfloat16)
+    assert bool((out == want).all())
+
+
+def test_forward_before_weights_is_an_error():
+    from shim.sm100.frontend import make_frontend
+
+    f = make_frontend("bf16", **GEOM, compile_only=True)
+    with pytest.raises(RuntimeError, match="load_weights"):
+        f.forward(*_inputs(2))
