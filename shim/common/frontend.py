@@ -46,7 +46,6 @@ class MegaMoEFrontend:
             # cutlass's HardwareInfo queries the driver directly: make sure the primary context exists.
             torch.empty(1, device=self.device)
         self.knobs, self.knob_source = self.resolve_knobs(knobs, knob_cache_key)
-        self.kernel = self.build_kernel(self.knobs)
         if max_active_clusters is None:
             cluster = self.knobs.cluster_shape_mnk[0] * self.knobs.cluster_shape_mnk[1]
             if compile_only:
@@ -55,10 +54,10 @@ class MegaMoEFrontend:
                 import cutlass.utils as cutlass_utils
 
                 max_active_clusters = cutlass_utils.HardwareInfo().get_max_active_clusters(cluster)
+        # Known before the kernel is built: a knob set without group_hint gets one wave of clusters per
+        # scheduler group, as the drop's runners do.
         self.max_active_clusters = int(max_active_clusters)
-        if self.knobs.group_hint is None:
-            # One wave of clusters per scheduler group, as the drop's runners do when no hint is given.
-            self.kernel.group_hint = self.max_active_clusters
+        self.kernel = self.build_kernel(self.knobs)
         self._heap = None
         self._weights = None
         self._args_cache: Dict[Tuple[int, int, int], dict] = {}

@@ -60,7 +60,7 @@ class Sm90Fp8Frontend(MegaMoEFrontend):
         try:
             return cls(
                 mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk, use_2cta_instrs=False,
-                group_hint=knobs.group_hint or 1, token_padding_block=knobs.token_tile,
+                group_hint=knobs.group_hint or self.max_active_clusters, token_padding_block=knobs.token_tile,
                 sf_padding_block=ks.SfPaddingBlock, load_balance_mode=knobs.load_balance_mode,
                 static_expert_shape=(self.experts_per_rank, 2 * self.intermediate, self.hidden),
                 ab_dtype=cutlass.Float8E4M3FN, sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=SCALE_MODES[self.fmt],

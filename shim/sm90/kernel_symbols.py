@@ -19,12 +19,18 @@ from moe_hopper_fp8.heuristic_config import (  # noqa: E402
     select_heuristic_config,
     token_bucket,
 )
+from moe_hopper_bf16.heuristic_config import (  # noqa: E402
+    HEURISTIC_CONFIGS as BF16_HEURISTIC_CONFIGS,
+    select_heuristic_config as select_bf16_heuristic_config,
+)
 
 # Lazy: name -> (module, attribute). Keep this a plain dict literal: the drop
 # audit parses it.
 _LAZY = {
     "Sm90MegaMoEFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoEFp8Kernel"),
     "Sm90MegaMoESwapABFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABFp8Kernel"),
+    "Sm90MegaMoEBf16Kernel": ("moe_hopper_bf16.megamoe_kernel_bf16", "Sm90MegaMoEBf16Kernel"),
+    "Sm90MegaMoESwapABBf16Kernel": ("moe_hopper_bf16.megamoe_kernel_bf16", "Sm90MegaMoESwapABBf16Kernel"),
     "SymBufferHost": ("src.sym_buffer", "SymBufferHost"),
     "SfPaddingBlock": ("common.megamoe_constants", "SfPaddingBlock"),
     "Fp8E8M0SfVecSize": ("common.megamoe_constants", "Fp8E8M0SfVecSize"),
@@ -43,6 +49,8 @@ __all__ = [
     "HopperFp8Config",
     "select_heuristic_config",
     "token_bucket",
+    "BF16_HEURISTIC_CONFIGS",
+    "select_bf16_heuristic_config",
     *_LAZY,
 ]
 

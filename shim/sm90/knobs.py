@@ -1,4 +1,4 @@
-"""Knobs of the Hopper FP8 MegaMoE kernel: what may be tuned, what changes results, and how a set is chosen.
+"""Knobs of the Hopper MegaMoE kernels (FP8, BF16): what may be tuned, what changes results, and how a set is chosen.
 
 Correctness knobs change the generated program or its summation order (tile and
 cluster shape, operand swap, ping-pong, accumulation mode, token-back mode,
@@ -14,10 +14,12 @@ from typing import Optional, Tuple
 
 from shim.common.knobs import InvalidKnobsError, KnobSet, resolve_knob_set
 
-__all__ = ["KNOB_SPACE", "CORRECTNESS_KNOBS", "PERF_KNOBS", "Fp8Knobs", "InvalidKnobsError", "heuristic_knobs",
-           "resolve_knobs", "SCALE_MODES"]
+__all__ = ["KNOB_SPACE", "CORRECTNESS_KNOBS", "PERF_KNOBS", "HopperKnobs", "Fp8Knobs", "InvalidKnobsError",
+           "heuristic_knobs", "resolve_knobs", "SCALE_MODES", "KERNEL_FOR_FORMAT"]
 
 SCALE_MODES = {"fp8_block": "blockwise", "fp8_tensor": "per_tensor"}
+KERNEL_FOR_FORMAT = {"fp8_block": "Sm90MegaMoEFp8Kernel", "fp8_tensor": "Sm90MegaMoEFp8Kernel",
+                     "bf16": "Sm90MegaMoEBf16Kernel"}
 
 # The value sets the tuner draws from, by the kernel constructor parameter they
 # feed. Literal on purpose: `tools/drop audit` checks it against the drop by AST.
@@ -37,15 +39,31 @@ KNOB_SPACE = {
         "flag_batch": [1, 2, 4],
         "epi_flag_batch": [1, 2, 4],
     },
+    "Sm90MegaMoEBf16Kernel": {
+        "mma_tiler_mnk": [(64, 128, 64), (64, 256, 64), (128, 128, 64), (128, 8, 64), (128, 16, 64),
+                          (128, 32, 64), (128, 64, 64)],
+        "cluster_shape_mnk": [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)],
+        "pingpong": [False, True],
+        "token_back_mode": ["epi_warps", "standalone_warps", "reuse_dispatch_warps"],
+        "fc2_in_kernel_topk_reduce": [False, True],
+        "load_balance_mode": ["static"],
+        "tail_split_pairs": [False, True],
+        "group_hint": [None, 66, 132, 264, 1048576],
+        "flag_batch": [1, 2, 4],
+        "epi_flag_batch": [1, 2, 4],
+    },
 }
 
-CORRECTNESS_KNOBS = ("swap_ab", "mma_tiler_mnk", "cluster_shape_mnk", "pingpong", "accum_mode", "token_back_mode",
-                     "fc2_in_kernel_topk_reduce", "load_balance_mode", "tail_split_pairs")
+CORRECTNESS_KNOBS = ("kernel", "swap_ab", "mma_tiler_mnk", "cluster_shape_mnk", "pingpong", "accum_mode",
+                     "token_back_mode", "fc2_in_kernel_topk_reduce", "load_balance_mode", "tail_split_pairs")
 PERF_KNOBS = ("group_hint", "flag_batch", "epi_flag_batch")
 
 
 @dataclass(frozen=True)
-class Fp8Knobs(KnobSet):
+class HopperKnobs(KnobSet):
+    """One knob set of a Hopper MegaMoE kernel, FP8 or BF16 (`kernel` names its KNOB_SPACE entry;
+    accum_mode is read by the FP8 program only)."""
+
     swap_ab: bool
     mma_tiler_mnk: Tuple[int, int, int]
     cluster_shape_mnk: Tuple[int, int, int]
@@ -58,6 +76,7 @@ class Fp8Knobs(KnobSet):
     group_hint: Optional[int] = None
     flag_batch: int = 1
     epi_flag_batch: int = 1
+    kernel: str = "Sm90MegaMoEFp8Kernel"
 
     @property
     def token_tile(self) -> int:
@@ -74,15 +93,19 @@ class Fp8Knobs(KnobSet):
     def correctness_part(self) -> Tuple:
         return tuple(getattr(self, k) for k in CORRECTNESS_KNOBS)
 
-    def validate(self) -> "Fp8Knobs":
-        space = KNOB_SPACE["Sm90MegaMoEFp8Kernel"]
+    def validate(self) -> "HopperKnobs":
+        if self.kernel not in KNOB_SPACE:
+            raise InvalidKnobsError("kernel", f"{self.kernel!r} is not one of {sorted(KNOB_SPACE)}")
+        space = KNOB_SPACE[self.kernel]
         checks = {
             "mma_tiler_mnk": self.mma_tiler_mnk, "cluster_shape_mnk": self.cluster_shape_mnk,
-            "pingpong": self.pingpong, "fp8_accum_mode": self.accum_mode, "token_back_mode": self.token_back_mode,
+            "pingpong": self.pingpong, "token_back_mode": self.token_back_mode,
             "fc2_in_kernel_topk_reduce": self.fc2_in_kernel_topk_reduce,
             "load_balance_mode": self.load_balance_mode, "tail_split_pairs": self.tail_split_pairs,
             "flag_batch": self.flag_batch, "epi_flag_batch": self.epi_flag_batch,
         }
+        if "fp8_accum_mode" in space:
+            checks["fp8_accum_mode"] = self.accum_mode
         for name, value in checks.items():
             if value not in space[name]:
                 raise InvalidKnobsError(name, f"{value!r} is not one of {space[name]}")
@@ -98,20 +121,27 @@ class Fp8Knobs(KnobSet):
         return self
 
 
-def heuristic_knobs(fmt: str, capacity: int) -> Fp8Knobs:
-    """The drop's own token-bucket table, keyed by capacity (tokens per rank)."""
+Fp8Knobs = HopperKnobs  # the FP8 kernel's knob sets: kernel="Sm90MegaMoEFp8Kernel", the default
+
+
+def heuristic_knobs(fmt: str, capacity: int) -> HopperKnobs:
+    """The drop's own token-bucket table for the format's kernel, keyed by capacity (tokens per rank)."""
     from shim.sm90 import kernel_symbols as ks
 
-    sel = ks.select_heuristic_config(SCALE_MODES[fmt], max(1, capacity))
-    c = sel.config
-    return Fp8Knobs(
+    if fmt == "bf16":
+        c = ks.select_bf16_heuristic_config(max(1, capacity)).config
+        accum = "1xacc"
+    else:
+        c = ks.select_heuristic_config(SCALE_MODES[fmt], max(1, capacity)).config
+        accum = c.accum_mode
+    return HopperKnobs(
         swap_ab=bool(c.swap_ab), mma_tiler_mnk=tuple(c.mma_tiler_mnk), cluster_shape_mnk=tuple(c.cluster_shape_mnk),
-        pingpong=bool(c.pingpong), accum_mode=c.accum_mode, token_back_mode=c.token_back_mode,
-        tail_split_pairs=bool(c.tail_split_pairs), group_hint=c.group_hint,
+        pingpong=bool(c.pingpong), accum_mode=accum, token_back_mode=c.token_back_mode,
+        tail_split_pairs=bool(c.tail_split_pairs), group_hint=c.group_hint, kernel=KERNEL_FOR_FORMAT[fmt],
     )
 
 
-def resolve_knobs(knobs, *, fmt: str, capacity: int, cache_key: str, cache=None) -> Tuple[Fp8Knobs, str]:
+def resolve_knobs(knobs, *, fmt: str, capacity: int, cache_key: str, cache=None) -> Tuple[HopperKnobs, str]:
     """Explicit > persistent cache > heuristic. Returns (knobs, where they came from)."""
-    return resolve_knob_set(knobs, knob_type=Fp8Knobs, heuristic=lambda: heuristic_knobs(fmt, capacity),
-                            validate=Fp8Knobs.validate, cache_key=cache_key, cache=cache)
+    return resolve_knob_set(knobs, knob_type=HopperKnobs, heuristic=lambda: heuristic_knobs(fmt, capacity),
+                            validate=HopperKnobs.validate, cache_key=cache_key, cache=cache)

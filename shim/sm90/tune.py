@@ -15,7 +15,7 @@ import torch
 
 from shim.common.autotune import AutotuneResult, collective_autotune
 from shim.common.knob_cache import KnobCache
-from shim.sm90.knobs import Fp8Knobs, InvalidKnobsError, heuristic_knobs
+from shim.sm90.knobs import HopperKnobs as Fp8Knobs, InvalidKnobsError, heuristic_knobs
 
 __all__ = ["candidate_knobs", "autotune"]
 

@@ -1,4 +1,4 @@
-"""The Hopper FP8 MegaMoE kernel compiles through the shim on a machine with no GPU (CUTE_DSL_ARCH=sm_90a).
+"""The Hopper FP8 and BF16 MegaMoE kernels compile through the shim on a machine with no GPU (CUTE_DSL_ARCH=sm_90a).
 
 One small config per operand order (swap-AB and not), with capacity-sized fake
 tensors whose extents are symbolic: the same program a GPU run builds.
@@ -26,6 +26,16 @@ def test_fp8_kernel_compiles_on_cpu(capacity):
                             compile_only=True)
     assert again.compile() is compiled and again.compiled_from_cache
     assert compile_cache.stats()["compiles"] >= 1
+
+
+@pytest.mark.parametrize("capacity", [64, 2048])
+def test_bf16_kernel_compiles_on_cpu(capacity):
+    from shim.sm90.bf16_frontend import Sm90Bf16Frontend
+
+    f = Sm90Bf16Frontend(hidden=512, intermediate=256, experts_per_rank=4, top_k=2, capacity=capacity,
+                         compile_only=True)
+    assert f.knobs.kernel == "Sm90MegaMoEBf16Kernel" and f.knobs.mma_tiler_mnk[2] == 64
+    assert callable(f.compile())
 
 
 def test_bad_geometry_is_refused_before_compiling():
