@@ -1,0 +1,72 @@
+"""tools/launch: ranks get torchrun-style env, results come back in rank order, a failing rank fails the launch."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tools.launch.launcher import RankFailure, launch_function
+
+FN = textwrap.dedent("""
+    import os
+    import torch.distributed as dist
+
+    def whoami(scale):
+        t = __import__("torch").tensor([float(dist.get_rank())])
+        dist.all_reduce(t)
+        return {"rank": int(os.environ["RANK"]), "world": dist.get_world_size(), "sum": float(t) * scale}
+
+    def fail_on_one():
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 refuses")
+        dist.barrier()  # the others wait for a peer that is gone
+        return "unreachable"
+""")
+
+
+@pytest.fixture
+def target(tmp_path):
+    p = tmp_path / "fns.py"
+    p.write_text(FN)
+    return str(p)
+
+
+def test_launch_function_returns_each_ranks_value(target):
+    got = launch_function(f"{target}:whoami", 3, {"scale": 2.0})
+    assert got == [{"rank": r, "world": 3, "sum": 6.0} for r in range(3)]
+
+
+def test_a_failing_rank_fails_the_launch_without_hanging(target):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        launch_function(f"{target}:fail_on_one", 3, grace_s=5, pg_timeout_s=30)
+    assert time.monotonic() - t0 < 60
+    assert "rank 1 refuses" in str(e.value)
+    assert e.value.results[1].returncode == 1
+
+
+def test_cli_runs_pytest_on_every_rank(tmp_path):
+    (tmp_path / "test_env.py").write_text(textwrap.dedent("""
+        import os
+        def test_env():
+            assert os.environ["WORLD_SIZE"] == "2" and os.environ["MOE_EP_DEVICE"] == "cpu"
+            assert os.environ["MASTER_ADDR"] == "127.0.0.1"
+            assert os.environ["RANK"] == os.environ["LOCAL_RANK"]
+    """))
+    (tmp_path / "test_bad.py").write_text("import os\ndef test_bad():\n    assert os.environ['RANK'] == '0'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    cmd = [sys.executable, "-m", "tools.launch.launcher", "--nproc", "2", "--device", "cpu", "--"]
+    ok = subprocess.run(cmd + [str(tmp_path / "test_env.py"), "-q", "-p", "no:cacheprovider"], env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.count("1 passed") == 2
+    bad = subprocess.run(cmd + [str(tmp_path / "test_bad.py"), "-q", "-p", "no:cacheprovider"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "FAILED ranks: [1]" in bad.stdout
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
