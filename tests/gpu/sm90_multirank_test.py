@@ -1,0 +1,181 @@
+"""The Hopper MegaMoE kernels through moe_ep on real GPUs; every rank checked against the torch oracle.
+
+One process per rank (tools/launch); at world size 1 plain pytest works too. For each backend (FP8
+blockwise, BF16), geometry, token count and routing: fresh random inputs, a NaN-poisoned output, then
+moe_ep.reference.oracle.check_multirank: each rank all-gathers the quantized weights every rank actually
+used and checks its own output against a single-process torch oracle over its staged tokens and the global
+expert set (ranks agreeing with each other proves nothing).
+
+Error metric, per rank: rel_l2 = ||out - ref|| / ||ref||, where the oracle repeats the kernel's
+quantization steps; what remains is accumulation order, bf16 rounding of the per-(token, k) terms and, for
+FP8, an FC2-input element now and then rounding to the neighbouring e4m3 value (2^-3 relative on one element
+of a 64-block). Thresholds: FP8 1e-2 (seen: 2e-3..5e-3), BF16 5e-3, plus the oracle's own per-token bound.
+The formats' own error is shown apart (rel_l2 against an unquantized fp32 reference), not tested.
+"""
+import os
+
+import pytest
+import torch
+
+import moe_ep
+from moe_ep.reference.oracle import check_multirank
+
+BACKENDS = {"sm90_fp8_cutedsl": ("fp8_block", 1e-2), "sm90_bf16_cutedsl": ("bf16", 5e-3)}
+GEOMS = {
+    "small": dict(hidden_size=512, intermediate_size=256, experts_per_rank=8, top_k=4),
+    "dsv3": dict(hidden_size=7168, intermediate_size=2048, experts_per_rank=32, top_k=8),
+}
+TOKENS = [1, 7, 64, 128, 1000, 4096]
+CAPACITY = 4096
+SELECTED = [b for b in os.environ.get("MOE_EP_SM90_BACKENDS", ",".join(BACKENDS)).split(",") if b]
+
+
+def routing(t, num_experts, k, skew, gen, device):
+    if skew:  # most tokens to the lowest expert ids, i.e. to rank 0's experts under EP
+        p = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float32) ** 1.5
+    else:
+        p = torch.ones(num_experts)
+    idx = torch.multinomial(p.expand(max(t, 1), num_experts), k, replacement=False, generator=gen)[:t]
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
+    return idx.to(device), w.to(device)
+
+
+def fp32_reference(layer, hidden, idx, w):
+    """Unquantized EP-free forward over this rank's weights only (world size 1): the format's own error."""
+    if layer.world_size != 1:
+        return None
+    w13, w2 = layer.w13.float(), layer.w2.float()
+    t, h = hidden.shape
+    i = w2.shape[2]
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    for e in range(w13.shape[0]):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            f = hidden[tok].float() @ w13[e].t()
+            y = torch.nn.functional.silu(f[:, :i]) * f[:, i:] * w[tok, slot, None]
+            out.index_put_((tok,), y @ w2[e].t(), accumulate=True)
+    return out
+
+
+@pytest.fixture(scope="module", params=[(b, g) for b in SELECTED for g in GEOMS], ids=lambda p: f"{p[0]}-{p[1]}")
+def layer(request, dist_ctx):
+    backend, geom = request.param
+    rank, world = dist_ctx
+    g = GEOMS[geom]
+    e = g["experts_per_rank"] * world
+    spec = moe_ep.MoESpec(hidden_size=g["hidden_size"], intermediate_size=g["intermediate_size"], num_experts=e,
+                          top_k=g["top_k"], max_tokens_per_rank=CAPACITY)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    h, i, el = spec.hidden_size, spec.intermediate_size, g["experts_per_rank"]
+    w13 = (torch.randn(el, 2 * i, h, generator=gen) / h ** 0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(el, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).cuda()
+    weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world, num_experts=e)
+    lay = moe_ep.MoELayer(spec, weights, backend=backend, device=torch.device("cuda"))
+    lay.geom, lay.w13, lay.w2, lay.weights = geom, w13, w2, weights
+    lay.max_rel_l2 = BACKENDS[backend][1]
+    yield lay
+    lay.close()
+
+
+def _fresh_seed():
+    """Fresh inputs every run, the same on every rank of this run (so routings are consistent), logged."""
+    import torch.distributed as dist
+
+    s = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1], dtype=torch.int64, device="cuda")
+    dist.broadcast(s, src=0)
+    return int(s.item()) + dist.get_rank()
+
+
+@pytest.mark.parametrize("skew", [False, True], ids=["balanced", "skewed"])
+@pytest.mark.parametrize("t", TOKENS)
+def test_matches_oracle(layer, t, skew, case_log):
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    dev = layer.device
+    hidden = torch.randn(t, layer.spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
+    idx, w = routing(t, layer.spec.num_experts, layer.spec.top_k, skew, gen, dev)
+    out = torch.full((t, layer.spec.hidden_size), float("nan"), dtype=torch.bfloat16, device=dev)
+    layer(hidden, idx, w, out=out)
+    torch.cuda.synchronize()
+    report = check_multirank(layer, hidden, idx, w, out, weights=layer.weights, raise_on_failure=False)
+    mine = report.mine(layer.rank)
+    full = fp32_reference(layer, hidden, idx, w)
+    fmt_err = None if full is None else float((out.float() - full).norm() / full.norm().clamp(min=1e-30))
+    local_tokens = int(((idx // layer.experts_per_rank) == layer.rank).any(dim=1).sum()) if t else 0
+    case_log(suite="sm90", backend=layer.backend_name, geom=layer.geom, world=layer.world_size, rank=layer.rank,
+             T=t, routing="skewed" if skew else "balanced", seed=seed, tokens_with_a_local_expert=local_tokens,
+             nan=mine.nan_count, rel_l2=mine.rel_l2_err, max_row_rel=mine.max_row_rel_err,
+             max_abs=mine.max_abs_err, weight_rel_err=mine.weight_rel_err, rel_l2_vs_fp32_unquantized=fmt_err,
+             knobs=str(layer.backend.knobs), ok=report.ok)
+    assert report.ok, report.summary()
+    assert mine.nan_count == 0
+    assert mine.rel_l2_err < layer.max_rel_l2, f"rel_l2 {mine.rel_l2_err:.3e} >= {layer.max_rel_l2}"
+
+
+def test_bitwise_repeatable(layer, case_log):
+    assert not layer.backend.knobs.fc2_in_kernel_topk_reduce  # the in-kernel reduce sums in arrival order
+    gen = torch.Generator().manual_seed(_fresh_seed())
+    dev = layer.device
+    t = 1000
+    hidden = torch.randn(t, layer.spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
+    idx, w = routing(t, layer.spec.num_experts, layer.spec.top_k, True, gen, dev)
+    outs = []
+    for _ in range(3):
+        o = torch.full((t, layer.spec.hidden_size), float("nan"), dtype=torch.bfloat16, device=dev)
+        layer(hidden, idx, w, out=o)
+        outs.append(o)
+    torch.cuda.synchronize()
+    same = all(torch.equal(outs[0].view(torch.int16), o.view(torch.int16)) for o in outs[1:])
+    case_log(suite="sm90", backend=layer.backend_name, geom=layer.geom, case="bitwise_repeat", T=t, runs=3,
+             identical=same)
+    assert same
+
+
+def test_cuda_graph_replay_matches_eager(layer, case_log):
+    dev = layer.device
+    t = 128
+    gen = torch.Generator().manual_seed(_fresh_seed())
+    hidden = torch.randn(t, layer.spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
+    idx, w = routing(t, layer.spec.num_experts, layer.spec.top_k, False, gen, dev)
+    eager = torch.empty(t, layer.spec.hidden_size, dtype=torch.bfloat16, device=dev)
+    layer(hidden, idx, w, out=eager)
+    static_out = torch.full_like(eager, float("nan"))
+    layer.check_values, layer.collective_checks = False, False  # no host syncs inside a capture
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            layer(hidden, idx, w, out=static_out)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            layer(hidden, idx, w, out=static_out)
+        static_out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        same = torch.equal(static_out.view(torch.int16), eager.view(torch.int16))
+        hidden.copy_(torch.randn(t, layer.spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev))
+        g.replay()
+        fresh = torch.empty_like(eager)
+        layer(hidden, idx, w, out=fresh)
+        torch.cuda.synchronize()
+        same_new = torch.equal(static_out.view(torch.int16), fresh.view(torch.int16))
+    finally:
+        layer.check_values, layer.collective_checks = True, True
+    case_log(suite="sm90", backend=layer.backend_name, geom=layer.geom, case="cuda_graph", T=t,
+             replay_equals_eager=same, replay_with_new_inputs_equals_eager=same_new)
+    assert same and same_new
+
+
+def test_zero_tokens(layer):
+    dev = layer.device
+    hidden = torch.empty(0, layer.spec.hidden_size, dtype=torch.bfloat16, device=dev)
+    idx = torch.empty(0, layer.spec.top_k, dtype=torch.int64, device=dev)
+    w = torch.empty(0, layer.spec.top_k, dtype=torch.float32, device=dev)
+    out = layer(hidden, idx, w)
+    torch.cuda.synchronize()
+    assert out.shape == (0, layer.spec.hidden_size)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-x"]))
