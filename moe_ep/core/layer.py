@@ -51,6 +51,9 @@ class MoELayer:
             if f not in entry.formats:
                 raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {f!r}")
             cls = registry.resolve_backend(entry.name)
+            served = getattr(cls, "weight_formats", entry.formats)
+            if f not in served:
+                raise FormatError("fmt", f"backend {entry.name!r} ({cls.__name__}) serves {list(served)}, not {f!r}")
             validate_weights(spec, weights, ctx, f)
             validate_spec_for_backend(spec, cls, f, ctx.world_size)
             return entry, cls, f

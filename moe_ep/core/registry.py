@@ -147,7 +147,7 @@ def _register_builtin() -> None:
                      description="exact EP semantics in torch over torch.distributed; the oracle")
     # Kernel backends: modules written against shim/; registered lazily so a CPU host never imports them.
     register_backend("sm90_fp8_cutedsl", "moe_ep.backends.sm90_fp8:Sm90Fp8Backend", arch="sm90",
-                     formats=("fp8_block", "fp8_tensor"), description="Hopper FP8 MegaMoE (CuTe DSL)")
+                     formats=("fp8_block",), description="Hopper FP8 MegaMoE, blockwise scales (CuTe DSL)")
     register_backend("sm90_bf16_cutedsl", "moe_ep.backends.sm90_bf16:Sm90Bf16Backend", arch="sm90",
                      formats=("bf16",), description="Hopper BF16 MegaMoE (CuTe DSL)")
     register_backend("sm100_nvfp4_cutedsl", "moe_ep.backends.sm100_nvfp4:Sm100Nvfp4Backend", arch="sm100",

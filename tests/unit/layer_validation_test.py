@@ -185,6 +185,18 @@ def test_backend_and_format_selection_errors(group):
     with pytest.raises(moe_ep.CalibrationError) as e:
         moe_ep.MoELayer(spec, _weights(), fmt="fp8_tensor")
     assert e.value.argument == "weights.act_amax"
+    from moe_ep.reference.backend import TorchReferenceBackend
+
+    class OnlyBf16(TorchReferenceBackend):
+        weight_formats = ("bf16",)
+
+    moe_ep.register_backend("t_only_bf16", OnlyBf16, arch="cpu", formats=("bf16", "mxfp8"), replace=True)
+    try:
+        with pytest.raises(moe_ep.FormatError) as e:
+            moe_ep.MoELayer(spec, _weights(), backend="t_only_bf16", fmt="mxfp8")
+        assert "OnlyBf16" in str(e.value)
+    finally:
+        moe_ep.unregister_backend("t_only_bf16")
     odd = moe_ep.MoESpec(96, I, E, K, C)
     with pytest.raises(moe_ep.SpecError) as e:
         moe_ep.MoELayer(odd, _weights(w13=torch.zeros(E, 2 * I, 96, dtype=torch.bfloat16),

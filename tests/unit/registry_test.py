@@ -9,7 +9,7 @@ import moe_ep
 from moe_ep.core import registry
 
 KERNEL_BACKENDS = {
-    "sm90_fp8_cutedsl": ("sm90", ("fp8_block", "fp8_tensor")),
+    "sm90_fp8_cutedsl": ("sm90", ("fp8_block",)),
     "sm90_bf16_cutedsl": ("sm90", ("bf16",)),
     "sm100_nvfp4_cutedsl": ("sm100", ("nvfp4",)),
     "sm100_mxfp8_cutedsl": ("sm100", ("mxfp8",)),
