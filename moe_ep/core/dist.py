@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_ep.core.errors import MoEError, PeerValidationError, ProcessGroupError
+from moe_ep.core.errors import PeerValidationError, ProcessGroupError
 
 __all__ = ["RankContext", "init_from_env", "agree", "run_agreed", "all_to_all_rows", "all_gather_tensor", "DEFAULT_TIMEOUT_S"]
 
@@ -113,7 +113,7 @@ def run_agreed(ctx: RankContext, fn, what: str = "inputs"):
     result, error = None, None
     try:
         result = fn()
-    except MoEError as e:
+    except Exception as e:  # noqa: BLE001 - any local failure must still reach the agreement
         error = e
     agree(ctx, error, what)
     return result

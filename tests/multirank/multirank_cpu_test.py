@@ -149,6 +149,11 @@ def test_bad_layer_arguments_are_collective(bad_records):
                                                 ("PeerValidationError", "weights.act_amax"))
         wd = rec["world_does_not_divide"]["error"]
         assert (wd["type"], wd["argument"]) == ("WorldSizeError", "world_size")
+        fe = rec["foreign_error"]["error"]
+        if r == 0:
+            assert fe["type"] == "RuntimeError" and "device properties" in fe["message"]
+        else:
+            assert fe["type"] == "PeerValidationError" and fe["ranks"] == [0] and "device properties" in fe["message"]
         wwd = rec["weights_world_does_not_divide"]["error"]
         assert (wwd["type"], wwd["argument"]) == ("WorldSizeError", "weights.world_size")
 

@@ -155,6 +155,20 @@ def bad_inputs(bad_rank: int = 2):
     spec6 = moe_ep.MoESpec(H, I, 6, K, 24)
     p6 = Problem.build(spec6, 2, 24)
     records["world_does_not_divide"] = attempt(lambda: (spec6, p6.rank_weights(ctx.rank % 2), {}))
+    # any local failure during construction, not only moe_ep's own errors, is agreed on
+    class Flaky(TorchReferenceBackend):
+        @classmethod
+        def check_spec(cls, spec_, fmt, world_size):
+            if ctx.rank == 0:
+                raise RuntimeError("rank 0 cannot read its device properties")
+            return []
+
+    moe_ep.register_backend("t_flaky", Flaky, arch="cpu", formats=("bf16",), replace=True)
+    try:
+        moe_ep.MoELayer(spec, weights, backend="t_flaky").close()
+        records["foreign_error"] = {"error": None}
+    except Exception as e:  # noqa: BLE001
+        records["foreign_error"] = {"error": error_record(e)}
     try:
         moe_ep.ExpertWeights(weights.w13, weights.w2, ctx.rank, ctx.world_size, 6)
         records["weights_world_does_not_divide"] = {"error": None}
