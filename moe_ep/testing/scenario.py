@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from moe_ep.core import registry
 from moe_ep.core.dist import RankContext, init_from_env
 from moe_ep.core.errors import MoEError
 from moe_ep.core.formats import format_info
@@ -46,9 +47,13 @@ def run_scenario(ctx: Optional[RankContext] = None, *, hidden_size: int, interme
     cap = capacity or max(max(problem_tokens), 1)
     spec = MoESpec(hidden_size, intermediate_size, num_experts, top_k, cap, gate_up_clamp)
     problem = Problem.build(spec, world, problem_tokens, routing, seed, hot_rank)
-    # Statically scaled formats need the activation calibration an offline pass would record. A backend's
-    # default format (fmt=None) is never one of them.
-    calibrate = fmt is not None and format_info(fmt).static_activation_scales
+    if fmt is None:
+        # Resolve the format now: statically scaled formats (a backend's default may be one, e.g. nvfp4)
+        # need the activation calibration an offline pass would record, before the weights are built.
+        entry = (registry.select_backend(registry.detect_arch(ctx.device)) if backend in (None, "auto")
+                 else registry.get_entry(backend))
+        fmt = entry.default_format
+    calibrate = format_info(fmt).static_activation_scales
     weights = problem.rank_weights(rank, calibrate=calibrate)
     t0 = time.perf_counter()
     layer = MoELayer(spec, weights, backend=backend, fmt=fmt, group=ctx.group, device=ctx.device,
