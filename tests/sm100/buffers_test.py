@@ -140,3 +140,7 @@ def test_a_real_frontend_needs_a_blackwell_gpu():
         pytest.fail("this CPU test expects a host without a Blackwell GPU")
     with pytest.raises(RuntimeError, match="Blackwell"):
         make_frontend("nvfp4", **GEOM)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

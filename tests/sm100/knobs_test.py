@@ -122,3 +122,7 @@ def test_perf_candidates_change_only_perf_knobs(fmt):
     assert len(cands) == len(KNOB_SPACE[KERNEL_CLASS[fmt]]["group_hint"]) * 3
     for k in cands.values():
         assert k.correctness_part() == base.correctness_part()
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

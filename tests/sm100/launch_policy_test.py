@@ -147,3 +147,7 @@ def test_forward_before_weights_is_an_error():
     f = make_frontend("bf16", **GEOM, compile_only=True)
     with pytest.raises(RuntimeError, match="load_weights"):
         f.forward(*_inputs(2))
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

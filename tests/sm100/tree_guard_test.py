@@ -25,11 +25,19 @@ def hopper_standin(tmp_path):
     return root
 
 
-def _run(code, **env):
+def _run(code, without_sm100_on_path=False, **env):
+    """Run `code` in a fresh interpreter that imports what this one does; the sm100 tree is found through
+    $MOE_EP_SM100_TREE. without_sm100_on_path: also drop the sm100 repository from the path (under Bazel
+    its py_library put it there), as in a process that has not loaded it yet."""
     from shim.common import tree
 
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-                    MOE_EP_SM100_TREE=tree.locate("sm100"), **{k: str(v) for k, v in env.items()})
+    root = tree.locate("sm100")
+    paths = [p for p in sys.path if p]
+    if without_sm100_on_path:
+        paths = [p for p in paths if os.path.abspath(p) != root
+                 and os.path.basename(os.path.normpath(p)) != tree.TREES["sm100"].repo_name]
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), MOE_EP_SM100_TREE=root,
+                    **{k: str(v) for k, v in env.items()})
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -66,7 +74,7 @@ def test_blackwell_refused_after_hopper(hopper_standin):
             print("REFUSED", e)
         else:
             raise SystemExit("shim.sm100 loaded beside the sm90 tree")
-    """, MOE_EP_SM90_TREE=hopper_standin)
+    """, without_sm100_on_path=True, MOE_EP_SM90_TREE=hopper_standin)
     assert "REFUSED" in out and "already holds the sm90 kernel tree" in out
 
 
@@ -102,3 +110,7 @@ def test_blackwell_refused_when_the_hopper_repository_is_on_sys_path(tmp_path):
             raise SystemExit("sm100 activated with the sm90 repository on sys.path")
     """)
     assert "REFUSED" in out and "a target must depend on one tree only" in out
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

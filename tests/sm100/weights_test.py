@@ -171,3 +171,7 @@ def test_unknown_format_is_refused():
 
     with pytest.raises(ValueError, match="fmt must be one of"):
         weights.prepare_weights("fp8_block", *canonical_weights(), torch.device("cpu"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

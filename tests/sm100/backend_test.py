@@ -1,0 +1,100 @@
+"""The sm100 backends as moe_ep sees them on a CPU host: registered under their names, cheap to list and to
+ask about a spec, and refused with a typed error naming the device when a layer asks for them here."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import moe_ep
+from moe_ep.core import registry
+
+BACKENDS = {
+    "sm100_nvfp4_cutedsl": ("moe_ep.backends.sm100_nvfp4", "Sm100Nvfp4Backend", "nvfp4"),
+    "sm100_mxfp8_cutedsl": ("moe_ep.backends.sm100_mxfp8", "Sm100Mxfp8Backend", "mxfp8"),
+    "sm100_bf16_cutedsl": ("moe_ep.backends.sm100_bf16", "Sm100Bf16Backend", "bf16"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_registered_and_resolvable(name):
+    module, attr, fmt = BACKENDS[name]
+    entry = registry.get_entry(name)
+    assert entry.target == f"{module}:{attr}" and entry.arch == "sm100" and entry.formats == (fmt,)
+    cls = registry.resolve_backend(name)
+    assert cls.__name__ == attr and cls.name == name and cls.arch == "sm100" and cls.weight_formats == (fmt,)
+    assert issubclass(cls, moe_ep.Backend)
+    assert moe_ep.list_backends()[name].available
+
+
+def test_listing_and_spec_checks_load_no_kernel_tree():
+    code = textwrap.dedent("""
+        import sys
+        import moe_ep
+        from moe_ep.core import registry
+        spec = moe_ep.MoESpec(hidden_size=7168, intermediate_size=2048, num_experts=256, top_k=8,
+                              max_tokens_per_rank=512)
+        for name in ("sm100_nvfp4_cutedsl", "sm100_mxfp8_cutedsl", "sm100_bf16_cutedsl"):
+            cls = registry.resolve_backend(name)
+            assert cls.check_spec(spec, cls.weight_formats[0], 4) == [], name
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in
+                        ("cutlass", "common", "src", "moe_nvfp4_swapab", "moe_mxfp8_glu", "moe_bf16_glu"))
+        assert not loaded, loaded
+        from shim.common import tree
+        assert tree.active_tree() is None
+        print("CLEAN")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
+    assert proc.returncode == 0 and "CLEAN" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name, spec_kw, arguments", [
+    ("sm100_nvfp4_cutedsl", dict(hidden_size=7200, intermediate_size=2048), ["hidden_size"]),
+    ("sm100_mxfp8_cutedsl", dict(hidden_size=7168, intermediate_size=2080), ["intermediate_size"]),
+    ("sm100_bf16_cutedsl", dict(hidden_size=7168, intermediate_size=2048, top_k=40, num_experts=64), ["top_k"]),
+    ("sm100_bf16_cutedsl", dict(hidden_size=7184, intermediate_size=2056), ["hidden_size", "intermediate_size"]),
+])
+def test_check_spec_names_what_the_kernel_cannot_serve(name, spec_kw, arguments):
+    kw = dict(num_experts=256, top_k=8, max_tokens_per_rank=512)
+    kw.update(spec_kw)
+    spec = moe_ep.MoESpec(**kw)
+    cls = registry.resolve_backend(name)
+    problems = cls.check_spec(spec, cls.weight_formats[0], 4)
+    assert sorted({a for a, _ in problems}) == sorted(arguments), problems
+
+
+def test_check_spec_refuses_another_format():
+    spec = moe_ep.MoESpec(hidden_size=7168, intermediate_size=2048, num_experts=256, top_k=8, max_tokens_per_rank=512)
+    problems = registry.resolve_backend("sm100_mxfp8_cutedsl").check_spec(spec, "nvfp4", 4)
+    assert ("fmt", "sm100_mxfp8_cutedsl serves ['mxfp8'], not 'nvfp4'") in problems
+
+
+@pytest.fixture(scope="module")
+def gloo_group(tmp_path_factory):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = str(tmp_path_factory.mktemp("pg") / "store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_a_layer_on_this_host_is_refused_naming_the_device(gloo_group, name):
+    fmt = BACKENDS[name][2]
+    spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
+    w13 = torch.zeros(4, 256, 256, dtype=torch.bfloat16)
+    w2 = torch.zeros(4, 256, 128, dtype=torch.bfloat16)
+    cal = dict(act_amax=1.0, fc2_act_amax=1.0) if fmt == "nvfp4" else {}
+    weights = moe_ep.ExpertWeights(w13, w2, rank=0, world_size=1, num_experts=4, **cal)
+    with pytest.raises(moe_ep.BackendUnavailableError) as err:
+        moe_ep.MoELayer(spec, weights, backend=name)
+    assert err.value.argument == "device" and "sm100" in str(err.value)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
