@@ -114,18 +114,16 @@ class Sm100Knobs(KnobSet):
         if fmt not in KERNEL_CLASS:
             raise InvalidKnobsError("fmt", f"the sm100 kernels serve {sorted(KERNEL_CLASS)}, got {fmt!r}")
         space = KNOB_SPACE[KERNEL_CLASS[fmt]]
-        checks = {
-            "mma_tiler_mnk": self.mma_tiler_mnk, "cluster_shape_mnk": self.cluster_shape_mnk,
-            "token_back_mode": self.token_back_mode, IKR_KWARG[fmt]: self.fc2_in_kernel_topk_reduce,
-            "load_balance_mode": self.load_balance_mode, "flag_batch": self.flag_batch,
-            "epi_flag_batch": self.epi_flag_batch,
-        }
-        for name, value in checks.items():
-            if value not in space[name]:
-                raise InvalidKnobsError(name, f"{value!r} is not one of {space[name]} for the {fmt} kernel")
         if not isinstance(self.fc2_in_kernel_topk_reduce, bool):
             raise InvalidKnobsError("fc2_in_kernel_topk_reduce",
                                     f"expected a bool, got {self.fc2_in_kernel_topk_reduce!r}")
+        # Errors name the knob field; the space is keyed by the kernel's constructor parameter.
+        for name in ("mma_tiler_mnk", "cluster_shape_mnk", "token_back_mode", "fc2_in_kernel_topk_reduce",
+                     "load_balance_mode", "flag_batch", "epi_flag_batch"):
+            value = getattr(self, name)
+            allowed = space[IKR_KWARG[fmt] if name == "fc2_in_kernel_topk_reduce" else name]
+            if value not in allowed:
+                raise InvalidKnobsError(name, f"{value!r} is not one of {allowed} for the {fmt} kernel")
         if self.group_hint is not None and (isinstance(self.group_hint, bool) or not isinstance(self.group_hint, int)
                                             or self.group_hint <= 0):
             raise InvalidKnobsError("group_hint", f"expected None or a positive int, got {self.group_hint!r}")
