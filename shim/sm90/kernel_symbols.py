@@ -19,14 +19,14 @@ from moe_hopper_fp8.heuristic_config import (  # noqa: E402
     select_heuristic_config,
     token_bucket,
 )
-from moe_hopper_bf16.heuristic_config import (  # noqa: E402
-    HEURISTIC_CONFIGS as BF16_HEURISTIC_CONFIGS,
-    select_heuristic_config as select_bf16_heuristic_config,
-)
 
 # Lazy: name -> (module, attribute). Keep this a plain dict literal: the drop
 # audit parses it.
 _LAZY = {
+    # moe_hopper_bf16 arrived with drop 0.7.4; lazy so the FP8 path also loads an older tree (side-by-side
+    # drop benchmarks run the previous drop through this same shim).
+    "BF16_HEURISTIC_CONFIGS": ("moe_hopper_bf16.heuristic_config", "HEURISTIC_CONFIGS"),
+    "select_bf16_heuristic_config": ("moe_hopper_bf16.heuristic_config", "select_heuristic_config"),
     "Sm90MegaMoEFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoEFp8Kernel"),
     "Sm90MegaMoESwapABFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABFp8Kernel"),
     "Sm90MegaMoEBf16Kernel": ("moe_hopper_bf16.megamoe_kernel_bf16", "Sm90MegaMoEBf16Kernel"),
@@ -49,8 +49,6 @@ __all__ = [
     "HopperFp8Config",
     "select_heuristic_config",
     "token_bucket",
-    "BF16_HEURISTIC_CONFIGS",
-    "select_bf16_heuristic_config",
     *_LAZY,
 ]
 
