@@ -62,6 +62,18 @@ class ArgBuilder:
         stride = tuple(1 if i == lead else cute.sym_int64() for i in range(t.dim()))
         return cute.runtime.make_fake_tensor(_cutlass_dtype(t.dtype), shape, stride, assumed_align=align)
 
+    def static_tensor(self, t: torch.Tensor, align: int = 16):
+        """A tensor whose extents and strides are compiled in (no dynamic marking): the way the drop's
+        runners pass a workspace tensor whose size is fixed by the kernel's own configuration."""
+        import cutlass.cute as cute
+
+        if self.real:
+            from cutlass.torch import from_dlpack
+
+            return from_dlpack(t, assumed_align=align)
+        return cute.runtime.make_fake_tensor(_cutlass_dtype(t.dtype), tuple(int(x) for x in t.shape),
+                                             tuple(int(x) for x in t.stride()), assumed_align=align)
+
     def byte_ptr(self, t: torch.Tensor, align: int = 16):
         """Raw uint8 global pointer: workspaces pass this way so no 32-bit extent is built for them."""
         import cutlass
