@@ -162,6 +162,13 @@ class Sm100Frontend(MegaMoEFrontend):
         raise NotImplementedError
 
 
+def _tensor_workspaces(f: Sm100Frontend, b: ArgBuilder) -> Dict[str, Any]:
+    """The MXFP8 and BF16 kernels take their workspaces as 1-D byte tensors (they use `.iterator`): the local
+    one with its extent compiled in, the shared one dynamic, as the drop's runners pass them (its size is
+    fixed by the kernel's configuration, which the compile key already holds)."""
+    return dict(local_workspace=b.static_tensor(f.local_ws), shared_workspace=b.tensor(f.shared_ws))
+
+
 class _BlockScaledFrontend(Sm100Frontend):
     """NVFP4 and MXFP8: quantized activations plus per-row block scales, weight scales swizzled."""
 
@@ -274,7 +281,7 @@ class Mxfp8Frontend(_BlockScaledFrontend):
         return args
 
     def workspace_args(self, b):
-        return dict(local_workspace=b.tensor(self.local_ws), shared_workspace=b.tensor(self.shared_ws))
+        return _tensor_workspaces(self, b)
 
     def stage_activations(self, x: torch.Tensor) -> None:
         q, sf = quant.mxfp8_quantize(x)
@@ -327,7 +334,7 @@ class Bf16Frontend(Sm100Frontend):
         return dict(combine_output=b.tensor(self.combine_buffer))
 
     def workspace_args(self, b):
-        return dict(local_workspace=b.tensor(self.local_ws), shared_workspace=b.tensor(self.shared_ws))
+        return _tensor_workspaces(self, b)
 
     def stage_activations(self, x: torch.Tensor) -> None:
         self.act[: x.shape[0]].copy_(x)

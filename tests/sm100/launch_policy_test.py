@@ -27,6 +27,9 @@ class PassThroughArgs:
     def byte_ptr(self, t, align=16):
         return t
 
+    def static_tensor(self, t, align=16):
+        return ("static", t)
+
     def stream(self):
         return "stream"
 
@@ -60,7 +63,9 @@ def _inputs(t, seed=0):
 
 def _kernel_writing_output(f, value):
     def kernel(**args):
-        f.launches.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()})
+        f.launches.append({k: (v.clone() if isinstance(v, torch.Tensor) and k not in ("local_workspace",
+                                                                                      "shared_workspace") else v)
+                           for k, v in args.items()})
         args["output_activation"].fill_(value)
     return kernel
 
@@ -85,7 +90,10 @@ def test_inputs_are_capacity_sized_and_spare_rows_are_masked(frontend, fmt, t):
     assert a["output_activation"].shape[0] == max(t, 1)
     assert a["peer_rank_ptr_mapper_host"].num_max_ranks == 1 and a["stream"] == "stream"
     if fmt == "mxfp8":
-        assert a["fc1_c"] is None and a["local_workspace"].dim() == 1  # byte tensors, not pointers
+        # Byte tensors, not pointers; the local one with its extent compiled in, as the drop's runner does.
+        kind, local = a["local_workspace"]
+        assert a["fc1_c"] is None and kind == "static" and local is f.local_ws
+        assert a["shared_workspace"] is f.shared_ws
     else:
         assert set(a) >= {"fc1_alpha", "fc2_alpha", "fc1_norm_const"} and "fc1_c" not in a
 
