@@ -61,6 +61,8 @@ class MegaMoEFrontend:
         self._heap = None
         self._weights = None
         self._args_cache: Dict[Tuple[int, int, int], dict] = {}
+        self._graphs: Dict[int, Any] = {}
+        self._graph_pool = None
         self.compiled = None
         self.compiled_from_cache = False
         self._alloc()
@@ -119,6 +121,7 @@ class MegaMoEFrontend:
         self.local_ws = local((local_bytes,), torch.uint8)
         self.topk_idx = local((c, k), torch.int64)
         self.out_buf = local((c, h), torch.bfloat16) if self.sym_out is None else self.sym_out
+        self.x_in = local((c, h), torch.bfloat16)  # the graphs' static input
 
     def load_weights(self, w13: torch.Tensor, w2: torch.Tensor):
         e, i, h = self.experts_per_rank, self.intermediate, self.hidden
@@ -127,6 +130,7 @@ class MegaMoEFrontend:
                              f"{tuple(w2.shape)}")
         self._weights = self.prepare_weights(w13, w2)
         self._args_cache.clear()
+        self._graphs.clear()
         return self._weights
 
     @property
@@ -165,12 +169,22 @@ class MegaMoEFrontend:
             return cute.compile(self.kernel, **kwargs)
 
         self.compiled, self.compiled_from_cache = compile_cache.get_or_compile(self.compile_key(), build)
+        if not self.compile_only and self._weights is not None:
+            # One launch with every row masked (all ranks build their layers together, so it is collective):
+            # loads the module and settles lazy initialisation before any graph capture needs it.
+            self._launch(0, self.x_in[:0], None)
+            torch.cuda.synchronize(self.device)
         return self.compiled
 
     # -- run -----------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Inputs are assumed validated by moe_ep (shapes, dtypes, ids in range, T <= capacity)."""
+        """Inputs are assumed validated by moe_ep (shapes, dtypes, ids in range, T <= capacity).
+
+        Outside a stream capture, each token count gets one CUDA graph (staging + kernel) on first use and
+        every later call replays it: the CuTe executor costs ~200 us of host time per eager launch, a replay
+        ~10 us. Inside a caller's capture (the caller graphs the whole model) the launch is eager.
+        """
         if self._weights is None:
             raise RuntimeError("load_weights() must run before forward()")
         if self.compiled is None:
@@ -178,15 +192,34 @@ class MegaMoEFrontend:
         t = x.shape[0]
         if out is None:
             out = torch.empty((t, self.hidden), dtype=torch.bfloat16, device=self.device)
+        if self.use_graphs and not self.compile_only and not torch.cuda.is_current_stream_capturing():
+            if t:
+                self.x_in[:t].copy_(x)
+                self.topk_idx[:t].copy_(topk_idx)
+                self.topk_w[:t].copy_(topk_weights)
+            graph = self._graphs.get(t)
+            if graph is None:
+                graph = self._capture(t)
+            graph.replay()
+            if t:
+                out.copy_(self.out_buf[:t])
+            return out
+        if t:
+            self.topk_idx[:t].copy_(topk_idx)
+            self.topk_w[:t].copy_(topk_weights)
+        self._launch(t, x[:t], out)
+        return out
+
+    def _launch(self, t: int, x: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+        """Stage x (topk ids / weights already in place), mask spare rows, launch; write out[:t]."""
         rows = self.capacity
         if rows > t:
             self.topk_idx[t:rows].fill_(-1)
         if t:
             self.stage_activations(x)
-            self.topk_idx[:t].copy_(topk_idx)
-            self.topk_w[:t].copy_(topk_weights)
         out_rows = max(t, 1)
-        direct = out_rows == t and self.sym_out is None and out.is_contiguous() and out.data_ptr() % 16 == 0
+        direct = (out is not None and out_rows == t and self.sym_out is None and out.is_contiguous()
+                  and out.data_ptr() % 16 == 0)
         target = out if direct else self.out_buf[:out_rows]
         if self.sym_out is not None:
             self.sym_out[:out_rows].zero_()
@@ -199,11 +232,29 @@ class MegaMoEFrontend:
         else:
             args["stream"] = ArgBuilder(real=True).stream()
         self.compiled(**args)
-        if not direct and t > 0:
+        if out is not None and not direct and t > 0:
             out.copy_(self.out_buf[:t])
-        return out
+
+    use_graphs = True
+    max_graphs = 64
+
+    def _capture(self, t: int):
+        if len(self._graphs) >= self.max_graphs:
+            self._graphs.clear()
+        # No warm-up launch here: every launch is collective across ranks, and ranks meet a new token count
+        # at different calls. The module was loaded by the masked launch in compile(); the capture records
+        # without running, and the caller's replay is this call's one launch.
+        graph = torch.cuda.CUDAGraph()
+        # One memory pool for all of this workspace's graphs: they replay one at a time on one stream.
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._launch(t, self.x_in[:t], None)
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        self._graphs[t] = graph
+        return graph
 
     def close(self) -> None:
+        self._graphs.clear()
         self._args_cache.clear()
         self.compiled = None
         if self._heap is not None:

@@ -4,9 +4,11 @@
     bazel run //tools:bench -- --out DIR
 
 For each geometry and token count per rank T it measures, side by side on the same GPU:
-  moe_ep eager       MoELayer forward on the hot path (check_values / collective_checks off), CUDA events
+  moe_ep eager       MoELayer forward on the hot path (check_values / collective_checks off), CUDA events;
+                     moe_ep replays one internal CUDA graph per token count (first call captures it)
+  moe_ep nograph     the same with the internal graphs off: every call goes through the CuTe executor
   moe_ep graph       the same forward captured in a CUDA graph and replayed
-  host overhead      CPU time of one eager forward call (launch-queue not full), microseconds
+  host overhead      CPU time of one eager forward call (launch-queue not full), microseconds (both modes)
   kernel             the compiled MegaMoE kernel alone on pre-staged inputs (what moe_ep adds is the rest)
   torch reference    moe_ep's torch_reference backend, same FP8 format (the oracle; not built for speed)
   torch grouped bf16 torch._grouped_mm over expert-sorted tokens, bf16 weights
@@ -201,6 +203,17 @@ def run(args) -> List[dict]:
             torch.cuda.synchronize()
             row["host_overhead_us"] = statistics.median(cpu)
             fe = layer.backend.frontend
+            fe.use_graphs = False  # the launch without moe_ep's per-token-count graphs, for comparison
+            row["moe_ep_nograph_us"] = cuda_time_us(lambda: layer(x, idx, w, out=out))
+            torch.cuda.synchronize()
+            cpu = []
+            for _ in range(20):
+                c0 = time.perf_counter()
+                layer(x, idx, w, out=out)
+                cpu.append((time.perf_counter() - c0) * 1e6)
+            torch.cuda.synchronize()
+            row["host_overhead_nograph_us"] = statistics.median(cpu)
+            fe.use_graphs = True
             args_k = next(iter(fe._args_cache.values()))
             row["kernel_us"] = cuda_time_us(lambda: fe.compiled(**args_k))
             s = torch.cuda.Stream()
@@ -250,7 +263,8 @@ def run(args) -> List[dict]:
 
 
 COLS = [("geom", "{}"), ("T", "{}"), ("capacity", "{}"), ("moe_ep_eager_us", "{:.1f}"), ("moe_ep_graph_us", "{:.1f}"),
-        ("kernel_us", "{:.1f}"), ("host_overhead_us", "{:.1f}"), ("torch_grouped_bf16_us", "{:.1f}"),
+        ("moe_ep_nograph_us", "{:.1f}"), ("kernel_us", "{:.1f}"), ("host_overhead_us", "{:.1f}"),
+        ("host_overhead_nograph_us", "{:.1f}"), ("torch_grouped_bf16_us", "{:.1f}"),
         ("torch_grouped_fp8_us", "{:.1f}"), ("torch_reference_us", "{:.0f}"), ("speedup_vs_best_torch", "{:.2f}x"),
         ("bw_floor_us", "{:.1f}"), ("pct_bw_floor", "{:.0f}%"), ("flop_floor_us", "{:.1f}"),
         ("pct_flop_floor", "{:.0f}%"), ("graph_vs_kernel", "{:.3f}")]
