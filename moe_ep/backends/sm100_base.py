@@ -27,6 +27,14 @@ class Sm100Backend(Backend):
         if found != "sm100":
             raise BackendUnavailableError("device", f"{self.name} runs the Blackwell (sm100) kernels; {ctx.device} "
                                                     f"is {found}")
+        if knobs == "auto":
+            import warnings
+
+            # Not silently: the Hopper backends tune here; the sm100 ones have no hardware-measured tuning run
+            # behind them yet, so "auto" takes the persistent knob cache when it has this key, else the profile.
+            warnings.warn(f"{self.name}: knobs='auto' does not run a collective autotune on sm100 yet; using the "
+                          "knob cache entry for this geometry if there is one, else the measured profile",
+                          RuntimeWarning, stacklevel=2)
         from shim.common.knob_cache import cache_key
         from shim.sm100.frontend import make_frontend
 

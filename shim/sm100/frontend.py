@@ -54,7 +54,8 @@ class Sm100Frontend(MegaMoEFrontend):
             raise ValueError(f"{argument}: {message}")
         if compile_only:
             arch = os.environ.get("CUTE_DSL_ARCH", "")
-            if not arch.startswith("sm_100"):
+            on_blackwell = not arch and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+            if not (arch.startswith(("sm_100", "sm_103")) or on_blackwell):
                 raise RuntimeError("a compile-only sm100 build targets sm_100a: set CUTE_DSL_ARCH=sm_100a in the "
                                    f"environment before cutlass is imported (it is {arch or 'unset'})")
         else:

@@ -128,18 +128,25 @@ def test_a_knob_set_the_kernel_cannot_build_is_refused_by_name():
 
 
 def test_compile_only_needs_the_blackwell_target(monkeypatch):
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")  # e.g. a Hopper build environment
     with pytest.raises(RuntimeError, match="CUTE_DSL_ARCH=sm_100a"):
         _frontend("bf16")
 
 
-def test_a_real_frontend_needs_a_blackwell_gpu():
+@pytest.mark.parametrize("cuda, capability, message", [
+    (False, None, "this host has no CUDA device"),
+    (True, (9, 0), "cuda is sm_90"),
+    (True, (12, 0), "cuda is sm_120"),
+])
+def test_a_real_frontend_needs_a_blackwell_gpu(monkeypatch, cuda, capability, message):
+    """Whatever this host has, a frontend that would launch refuses anything but an sm_100-family GPU."""
     from shim.sm100.frontend import make_frontend
 
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
-        pytest.fail("this CPU test expects a host without a Blackwell GPU")
-    with pytest.raises(RuntimeError, match="Blackwell"):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    with pytest.raises(RuntimeError, match="need a Blackwell") as err:
         make_frontend("nvfp4", **GEOM)
+    assert message in str(err.value)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """CPU tests of the Blackwell shim. The sm100 tree comes from Bazel (the //shim/sm100 data dependency) or,
 outside Bazel, from $MOE_EP_SM100_TREE; a missing tree fails the test that needs it, it never skips.
-Compiles target sm_100a without a GPU."""
+Without a GPU, compiles target sm_100a."""
 import os
 
 import pytest
+import torch
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
+# Compile-only builds need a target; on a host with a GPU cutlass reads the device's own (sm_100a on B200,
+# sm_103a on B300), and forcing one here would build the wrong code for the other.
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
 
 
 @pytest.fixture(scope="session")
