@@ -1,8 +1,9 @@
-"""The three Blackwell MegaMoE kernels compile through the shim on a machine with no GPU (CUTE_DSL_ARCH=sm_100a).
+"""The three Blackwell MegaMoE kernels compile through the shim without a GPU (CUTE_DSL_ARCH=sm_100a).
 
 One small geometry per kernel and per token-back family of its heuristic (epilogue warps at small
 capacity, dispatch warps at large), with capacity-sized fake tensors whose extents are symbolic: the
-program a GPU run builds. The PTX is kept and must target the requested arch (sm_100a unless set otherwise); no kernel runs.
+program a GPU run builds. The PTX is kept and must target the requested arch (sm_100a unless set
+otherwise); no kernel runs.
 """
 import os
 import tempfile
@@ -46,6 +47,21 @@ def test_kernel_compiles_on_cpu_for_sm100a(fmt, capacity, token_back):
     again = make_frontend(fmt, **GEOM, capacity=capacity, compile_only=True)
     assert again.compile() is compiled and again.compiled_from_cache
     assert compile_cache.stats()["compiles"] >= 1
+
+
+@pytest.mark.parametrize("fmt, token_back", [
+    ("nvfp4", "epi_warps"), ("nvfp4", "reuse_dispatch_warps"), ("mxfp8", "epi_warps"), ("bf16", "reuse_dispatch_warps"),
+])
+def test_in_kernel_reduce_variants_compile(fmt, token_back):
+    """The opt-in in-kernel top-k reduce (nondeterministic summation order) builds a different program."""
+    from shim.sm100.frontend import make_frontend
+    from shim.sm100.knobs import heuristic_knobs
+
+    knobs = heuristic_knobs(fmt, 64).replace(fc2_in_kernel_topk_reduce=True, token_back_mode=token_back)
+    f = make_frontend(fmt, **GEOM, capacity=64, compile_only=True, knobs=knobs)
+    assert f.sym_out is not None  # the cross-rank adds land in a symmetric output
+    compiled = f.compile()
+    assert compiled.has_gpu_module and f".target {os.environ['CUTE_DSL_ARCH']}" in compiled.artifacts.PTX
 
 
 def test_nvfp4_chains_its_topk_reduce_into_the_same_program():
