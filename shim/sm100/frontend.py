@@ -340,23 +340,14 @@ class Bf16Frontend(Sm100Frontend):
     def stage_activations(self, x: torch.Tensor) -> None:
         self.act[: x.shape[0]].copy_(x)
 
-    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """As MegaMoEFrontend.forward, but the top-k reduce of the [C, K, H] terms is done here."""
-        if self._weights is None:
-            raise RuntimeError("load_weights() must run before forward()")
-        if self.compiled is None:
-            self.compile()
-        t = x.shape[0]
-        if out is None:
-            out = torch.empty((t, self.hidden), dtype=torch.bfloat16, device=self.device)
+    def _launch(self, t: int, x: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+        """As MegaMoEFrontend._launch, but the kernel leaves one term per (token, slot) and the top-k sum is
+        done here, into out[:t] (or out_buf[:t], where the base's graph replay reads it)."""
         rows = self.capacity
         if rows > t:
             self.topk_idx[t:rows].fill_(-1)
         if t:
             self.stage_activations(x)
-            self.topk_idx[:t].copy_(topk_idx)
-            self.topk_w[:t].copy_(topk_weights)
         terms = self.combine_buffer
         if self.knobs.fc2_in_kernel_topk_reduce:
             terms[:t].zero_()  # the kernel accumulates into it
@@ -372,8 +363,7 @@ class Bf16Frontend(Sm100Frontend):
             acc = terms[:t, 0].to(torch.float32)
             for j in range(1, terms.shape[1]):
                 acc = acc + terms[:t, j].to(torch.float32)
-            out.copy_(acc.to(torch.bfloat16))
-        return out
+            (out if out is not None else self.out_buf[:t]).copy_(acc.to(torch.bfloat16))
 
     def staged_activation(self, t: int) -> QuantizedActivation:
         return QuantizedActivation("bf16", self.act[:t].clone())

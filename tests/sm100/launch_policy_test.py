@@ -149,6 +149,28 @@ def test_bf16_sums_the_topk_terms_in_fp32(frontend, t):
     assert bool((out == want).all())
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_a_graphed_launch_leaves_the_result_where_the_replay_reads_it(frontend, fmt):
+    """Inside the base's per-token-count CUDA graph the launch has no `out`: the result must be in out_buf."""
+    f = frontend(fmt)
+    t, k = 5, GEOM["top_k"]
+    if fmt == "bf16":
+        def kernel(**args):
+            args["combine_output"][:, :] = 0.5
+    else:
+        def kernel(**args):
+            args["output_activation"].fill_(0.5 * k)
+    f.compiled = kernel
+    x, idx, w = _inputs(t)
+    f.x_in[:t].copy_(x)
+    f.topk_idx[:t].copy_(idx)
+    f.topk_w[:t].copy_(w)
+    f.out_buf.zero_()
+    f._launch(t, f.x_in[:t], None)
+    assert bool((f.out_buf[:t] == 0.5 * k).all()) and not f.out_buf[t:].any()
+    assert bool((f.topk_idx[t:] == -1).all())
+
+
 def test_forward_before_weights_is_an_error():
     from shim.sm100.frontend import make_frontend
 
