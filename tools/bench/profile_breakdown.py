@@ -1,0 +1,97 @@
+"""Where the time of one moe_ep forward goes on the GPU: per-kernel CUDA time under torch.profiler.
+
+    python -m tools.bench.profile_breakdown --out DIR [--tokens 8 128 512 4096]
+
+For each token count (DeepSeek-V3 geometry, capacity = T rounded up to a power of two, heuristic knobs) it
+replays the forward's CUDA graph under the profiler and sums device time per kernel, grouped as: the fused
+MegaMoE kernel, the top-k reduce kernel, and moe_ep's own staging (activation quantization, routing copies,
+spare-row masking, output copy). Writes breakdown.md / breakdown.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections import defaultdict
+
+import torch
+
+
+def classify(name: str) -> str:
+    n = name.lower()
+    if "topk_reduce" in n or "topkreduce" in n:
+        return "top-k reduce (drop)"
+    if "kernel_cutlass" in n or "megamoe" in n or "cutlass" in n:
+        return "MegaMoE fused kernel (drop)"
+    return "moe_ep staging (torch ops)"
+
+
+def main(argv=None) -> int:
+    import torch.distributed as dist
+
+    import moe_ep
+    from tools.bench.bench import GEOMS, bucket, routing
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "profile_out"))
+    p.add_argument("--tokens", nargs="+", type=int, default=[8, 128, 512, 4096])
+    p.add_argument("--iters", type=int, default=20)
+    args = p.parse_args(argv)
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29519")
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=dev)
+    g = GEOMS["dsv3"]
+    h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(torch.bfloat16).to(dev)
+    w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).to(dev)
+    weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=0, world_size=1, num_experts=e)
+    rows = []
+    for t in args.tokens:
+        spec = moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
+                              max_tokens_per_rank=bucket(t))
+        layer = moe_ep.MoELayer(spec, weights, backend="sm90_fp8_cutedsl", device=dev, check_values=False,
+                                collective_checks=False)
+        x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(dev)
+        idx, w = routing(t, e, k, gen, dev)
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+        for _ in range(5):
+            layer(x, idx, w, out=out)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                layer(x, idx, w, out=out)
+            torch.cuda.synchronize()
+        per = defaultdict(float)
+        names = defaultdict(float)
+        for ev in prof.key_averages():
+            dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+            if dt and ev.device_type == torch.autograd.DeviceType.CUDA:
+                per[classify(ev.key)] += dt / args.iters
+                names[ev.key[:80]] += dt / args.iters
+        row = {"T": t, "capacity": bucket(t), "knobs": str(layer.backend.knobs),
+               "us_per_forward": {kk: round(v, 1) for kk, v in per.items()},
+               "top_kernels": {kk: round(v, 1) for kk, v in sorted(names.items(), key=lambda kv: -kv[1])[:8]}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        layer.close()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "breakdown.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, "breakdown.md"), "w") as f:
+        cats = sorted({c for r in rows for c in r["us_per_forward"]})
+        f.write("# GPU time per forward by kernel group (us, torch.profiler, mean of %d)\n\n" % args.iters)
+        f.write("| T | capacity | " + " | ".join(cats) + " |\n|" + "---|" * (len(cats) + 2) + "\n")
+        for r in rows:
+            f.write(f"| {r['T']} | {r['capacity']} | " + " | ".join(str(r["us_per_forward"].get(c, 0)) for c in cats)
+                    + " |\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
