@@ -65,6 +65,13 @@ class Sm100Backend(Backend):
     def knobs(self):
         return self.frontend.knobs
 
+    @property
+    def apply_topk_in_fc1(self) -> bool:
+        """True for all three: the frontends build the NVFP4 and BF16 kernels with apply_topk_in_fc1=True, and the
+        MXFP8 kernel (drop 0.7.4) has no such flag, it always folds the routing weight into the SwiGLU output
+        before the FC2-input quantization. The oracle reads this to do the same."""
+        return True
+
     def prepare_weights(self, weights: ExpertWeights) -> None:
         self.frontend.load_weights(weights.w13, weights.w2)
         self.frontend.compile()

@@ -7,17 +7,26 @@ launch passes. Launch policy (shared with the Hopper tree, whose token-communica
 share): inputs are capacity-sized with spare rows routed to expert -1; the top-k reduce covers the T real
 rows.
 
-Per format (facts from the drop's kernels and runners, 0.7.2.post1):
+Per format (facts from the drop's kernels and runners, 0.7.4):
   * NVFP4 (swap-AB): activations e2m1 pairs [C, H/2] with e4m3 scales per 16 in plain row-major layout,
     each row padded with zeros to a multiple of 4 scales (dispatch moves scales 4 bytes at a time);
     weights and scales as shim.sm100.weights lays them out; per-expert fc1_alpha, fc2_alpha,
     fc1_norm_const; the FC1 input global scale comes from the calibrated amax (static activation scale).
   * MXFP8: activations e4m3 [C, H] with e8m0 scales per 32, rows padded like NVFP4; the workspaces are
-    passed as 1-D byte tensors (this kernel takes their `.iterator`), not raw pointers.
-  * BF16: activations bf16 [C, H], no scales; the kernel writes one bf16 term per (token, slot) into a
-    symmetric [C, K, H] buffer and the frontend sums the K terms in fp32, slot order (the drop's "form A");
-    with the in-kernel reduce the buffer is [C, 1, H] and the kernel adds the terms itself.
-All three fold the routing weight into the SwiGLU output (apply_topk_in_fc1) and combine in bf16.
+    passed as 1-D byte tensors with static extents (this kernel takes their `.iterator`), not raw pointers.
+    Each expert's pool rows are padded to 128 tokens (one scale atom). After its top-k reduce the launch
+    re-quantizes the rank's received FC1 input along the token axis (the drop's `Mxfp8ColRequant`, a copy
+    for a backward pass) into two rank-local outputs the caller must hand it, `col_quant_data`
+    [pool rows, H] e4m3 and `col_quant_sf` (H * pool rows / 32 e8m0 bytes); moe_ep serves the forward
+    only, so nothing reads them, but they are sized as the drop's runner sizes them, from the kernel's
+    `pool_token_capacity`.
+  * BF16: activations bf16 [C, H], no scales; the kernel stages one bf16 term per (token, slot) in its
+    shared workspace and its own TopkReduce sums them into `output_activation` [T, H] (fp32, slot order,
+    rounded once: the drop's "form A"); with the in-kernel reduce `output_activation` is the symmetric
+    [C, H] target the ranks add into.
+All three fold the routing weight into the SwiGLU output (apply_topk_in_fc1: a constructor flag of the NVFP4
+and BF16 kernels, always on in the MXFP8 kernel since 0.7.4), reduce the top-k terms in the kernel's own
+TopkReduce (skip_topk_reduce=False) and combine in bf16.
 """
 
 from __future__ import annotations
@@ -93,7 +102,9 @@ class Sm100Frontend(MegaMoEFrontend):
             static_expert_shape=(self.experts_per_rank, 2 * self.intermediate, self.hidden),
             world_size=self.world_size, num_topk=self.top_k, max_tokens_per_rank=self.capacity, hidden=self.hidden,
             token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch, flag_batch=knobs.flag_batch,
-            gate_up_clamp=self.gate_up_clamp, apply_topk_in_fc1=True,
+            gate_up_clamp=self.gate_up_clamp,
+            # The kernel's own TopkReduce writes output_activation (without the in-kernel reduce).
+            skip_topk_reduce=False,
             **{IKR_KWARG[self.fmt]: knobs.fc2_in_kernel_topk_reduce},
         )
 
@@ -163,11 +174,13 @@ class Sm100Frontend(MegaMoEFrontend):
         raise NotImplementedError
 
 
-def _tensor_workspaces(f: Sm100Frontend, b: ArgBuilder) -> Dict[str, Any]:
-    """The MXFP8 and BF16 kernels take their workspaces as 1-D byte tensors (they use `.iterator`): the local
-    one with its extent compiled in, the shared one dynamic, as the drop's runners pass them (its size is
-    fixed by the kernel's configuration, which the compile key already holds)."""
-    return dict(local_workspace=b.static_tensor(f.local_ws), shared_workspace=b.tensor(f.shared_ws))
+def _tensor_workspaces(f: Sm100Frontend, b: ArgBuilder, *, static_shared: bool) -> Dict[str, Any]:
+    """The MXFP8 and BF16 kernels take their workspaces as 1-D byte tensors (they use `.iterator`), as the
+    drop's runners pass them: the local one with its extent compiled in; the shared one too for MXFP8 (its
+    0.7.4 runner: the extent can exceed int32), dynamic for BF16. Static extents are fixed by the kernel's
+    configuration, which the compile key already holds."""
+    shared = b.static_tensor(f.shared_ws) if static_shared else b.tensor(f.shared_ws)
+    return dict(local_workspace=b.static_tensor(f.local_ws), shared_workspace=shared)
 
 
 class _BlockScaledFrontend(Sm100Frontend):
@@ -223,7 +236,7 @@ class Nvfp4Frontend(_BlockScaledFrontend):
         return dict(token_padding_block=int(ks.SwapABSwigluFp4Epilogue._EpilogueTokenTileSize),
                     sf_padding_block=ks.SfPaddingBlock, sf_vec_size=ks.Nvfp4BlockSize,
                     fc2_output_dtype=cutlass.BFloat16, combine_format=ks.CombineFormat.parse("bf16"),
-                    non_ubulk_fc2_store=True)
+                    non_ubulk_fc2_store=True, apply_topk_in_fc1=True)
 
     def act_shape(self):
         return (self.hidden // 2,)
@@ -269,20 +282,42 @@ class Mxfp8Frontend(_BlockScaledFrontend):
         import cutlass
 
         ks = self.symbols()
-        return dict(token_padding_block=int(ks.EpilogueTokenTile), sf_padding_block=ks.SfPaddingBlock,
+        # No apply_topk_in_fc1: since 0.7.4 this kernel always folds the routing weight into FC1.
+        # Pool rows padded per expert to one 128-row scale atom, as the drop's runner does: the column
+        # re-quantization works in whole 128-token tiles and refuses the 64-token epilogue tile.
+        return dict(token_padding_block=int(ks.SfPaddingBlock), sf_padding_block=ks.SfPaddingBlock,
                     ab_dtype=cutlass.Float8E4M3FN, sf_vec_size=ks.Mxfp8BlockSize, local_rank=self.rank,
                     generate_c=False, use_stg_fc1=False, combine_format=ks.CombineFormat.parse("bf16"))
 
     def act_shape(self):
         return (self.hidden,)
 
+    def col_quant_shapes(self):
+        """(data shape, scale bytes) of the column re-quantization outputs, from the kernel's pool size: every
+        received token row at its padded pool position, one e8m0 scale per 32 tokens and hidden column."""
+        pool = int(self.kernel.pool_token_capacity)
+        return (pool, self.hidden), self.hidden * pool // SCALE_BLOCK["mxfp8"]
+
+    def _alloc(self) -> None:
+        super()._alloc()
+        # Rank-local (no peer reads them), on the device; the kernel overwrites what it writes each launch.
+        data_shape, sf_bytes = self.col_quant_shapes()
+        dev = self.device
+        self.col_quant_data = torch.zeros(data_shape, dtype=torch.uint8, device=dev).view(self.act_dtype)
+        self.col_quant_sf = torch.zeros((sf_bytes,), dtype=torch.uint8, device=dev)
+
     def activation_args(self, b, rows: int):
         args = super().activation_args(b, rows)
         args["fc1_c"] = None
         return args
 
+    def output_args(self, b, out):
+        args = super().output_args(b, out)
+        args.update(col_quant_data=b.tensor(self.col_quant_data), col_quant_sf=b.tensor(self.col_quant_sf))
+        return args
+
     def workspace_args(self, b):
-        return _tensor_workspaces(self, b)
+        return _tensor_workspaces(self, b, static_shared=True)
 
     def stage_activations(self, x: torch.Tensor) -> None:
         q, sf = quant.mxfp8_quantize(x)
@@ -307,22 +342,12 @@ class Bf16Frontend(Sm100Frontend):
 
         ks = self.symbols()
         return dict(token_padding_block=int(ks.EpilogueTokenTile), ab_dtype=cutlass.BFloat16, local_rank=self.rank,
-                    token_back_by_dispatch=self.knobs.token_back_by_dispatch, generate_c=False, use_stg_fc1=False)
+                    token_back_by_dispatch=self.knobs.token_back_by_dispatch, generate_c=False, use_stg_fc1=False,
+                    apply_topk_in_fc1=True)
 
     def input_buffers(self):
-        c, h = self.capacity, self.hidden
-        bufs = [("act", (c, h), torch.bfloat16)]
-        if not self.knobs.fc2_in_kernel_topk_reduce:
-            # One bf16 term per (token, slot), written by the rank that ran the expert.
-            bufs.append(("combine", (c, self.top_k, h), torch.bfloat16))
-        return bufs
-
-    @property
-    def combine_buffer(self) -> torch.Tensor:
-        """[C, K, H] (or [C, 1, H] with the in-kernel reduce, a view of the base's symmetric output)."""
-        if self.knobs.fc2_in_kernel_topk_reduce:
-            return self.sym_out.view(self.capacity, 1, self.hidden)
-        return self.combine
+        # The per-(token, slot) terms live in the kernel's shared workspace (0.7.4); only activations here.
+        return [("act", (self.capacity, self.hidden), torch.bfloat16)]
 
     def activation_args(self, b, rows: int):
         return dict(activation=b.tensor(self.act[:rows]), fc1_c=None)
@@ -330,40 +355,11 @@ class Bf16Frontend(Sm100Frontend):
     def weight_args(self, b, w):
         return dict(fc1_weight=b.tensor(w.fc1), fc2_weight=b.tensor(w.fc2))
 
-    def output_args(self, b, out):
-        # The kernel's destination is the symmetric term buffer, whatever `out` is.
-        return dict(combine_output=b.tensor(self.combine_buffer))
-
     def workspace_args(self, b):
-        return _tensor_workspaces(self, b)
+        return _tensor_workspaces(self, b, static_shared=False)
 
     def stage_activations(self, x: torch.Tensor) -> None:
         self.act[: x.shape[0]].copy_(x)
-
-    def _launch(self, t: int, x: torch.Tensor, out: Optional[torch.Tensor]) -> None:
-        """As MegaMoEFrontend._launch, but the kernel leaves one term per (token, slot) and the top-k sum is
-        done here, into out[:t] (or out_buf[:t], where the base's graph replay reads it)."""
-        rows = self.capacity
-        if rows > t:
-            self.topk_idx[t:rows].fill_(-1)
-        if t:
-            self.stage_activations(x)
-        terms = self.combine_buffer
-        if self.knobs.fc2_in_kernel_topk_reduce:
-            terms[:t].zero_()  # the kernel accumulates into it
-        key = (rows, 0, 0)
-        args = self._args_cache.get(key)
-        if args is None:
-            args = self._args_cache[key] = self._runtime_args(ArgBuilder(real=True), rows, self.out_buf)
-        else:
-            args["stream"] = ArgBuilder(real=True).stream()
-        self.compiled(**args)
-        if t:
-            # fp32 sum in slot order, rounded once (the NVFP4 / MXFP8 kernels' own top-k reduce does the same).
-            acc = terms[:t, 0].to(torch.float32)
-            for j in range(1, terms.shape[1]):
-                acc = acc + terms[:t, j].to(torch.float32)
-            (out if out is not None else self.out_buf[:t]).copy_(acc.to(torch.bfloat16))
 
     def staged_activation(self, t: int) -> QuantizedActivation:
         return QuantizedActivation("bf16", self.act[:t].clone())

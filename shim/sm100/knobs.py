@@ -16,7 +16,10 @@ capacity, the dispatch warps beyond ~512 tokens per rank.
 
 Always chosen, not knobs: the bf16 combine wire (exact terms, fp32 sum,
 deterministic), non-UBLK fc2 stores (every token-back mode needs them), the routing
-weight folded into FC1 (apply_topk_in_fc1), the static scheduler.
+weight folded into FC1 (apply_topk_in_fc1; the MXFP8 kernel has no other mode since
+drop 0.7.4), the kernel's own top-k reduce (skip_topk_reduce=False), the static
+scheduler. Left at the drop's defaults: the 0.7.4 additions act_func ("swiglu"),
+topk_reduce_persistent (off) and the MXFP8 column requant's grid (col_quant_num_ctas).
 """
 
 from __future__ import annotations
@@ -137,8 +140,8 @@ class Sm100Knobs(KnobSet):
                 raise InvalidKnobsError("fc2_in_kernel_topk_reduce", "the MXFP8 kernel reduces in kernel only with "
                                         "token_back_mode='epi_warps'")
             if fmt == "bf16" and not self.token_back_by_dispatch:
-                # FlashInfer's validity table for this drop marks BF16 + in-kernel reduce + epilogue token-back
-                # unsupported; not run here either, so refused rather than guessed.
+                # FlashInfer's validity table for drop 0.7.2.post1 marks BF16 + in-kernel reduce + epilogue
+                # token-back unsupported; not run here either, so refused rather than guessed.
                 raise InvalidKnobsError("fc2_in_kernel_topk_reduce", "the BF16 kernel reduces in kernel only with "
                                         "a dispatch-warp token_back_mode")
         return self

@@ -2,7 +2,7 @@
 
 The quantization is moe_ep's reference quantizer (`quant.quantize_weights(fmt, ...)`), as in the Hopper
 shim, so the kernel computes with exactly the bytes the oracle checks against. This module lays them out
-the way the drop's kernels read them (facts from the drop's runners and kernels, 0.7.2.post1):
+the way the drop's kernels read them (facts from the drop's runners and kernels, 0.7.2.post1; unchanged in 0.7.4):
 
   * FC1 rows: gate and up interleaved in groups of G -- g0..g(G-1), u0..u(G-1), gG.. -- where G is the
     kernel's SwiGLU pairing: 16 for NVFP4 (SwapABSwigluFp4Epilogue), 32 for MXFP8 and BF16

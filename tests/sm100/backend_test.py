@@ -29,6 +29,14 @@ def test_registered_and_resolvable(name):
     assert moe_ep.list_backends()[name].available
 
 
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_the_oracle_folds_the_routing_weight_into_fc1_as_the_kernels_do(name):
+    """The MXFP8 kernel lost its apply_topk_in_fc1 flag in drop 0.7.4 (always folded); the frontends pass True to
+    the other two. The property the oracle reads must say so without a device."""
+    cls = registry.resolve_backend(name)
+    assert cls.apply_topk_in_fc1.fget(object.__new__(cls)) is True
+
+
 def test_listing_and_spec_checks_load_no_kernel_tree():
     code = textwrap.dedent("""
         import sys
@@ -54,6 +62,7 @@ def test_listing_and_spec_checks_load_no_kernel_tree():
 @pytest.mark.parametrize("name, spec_kw, arguments", [
     ("sm100_nvfp4_cutedsl", dict(hidden_size=7200, intermediate_size=2048), ["hidden_size"]),
     ("sm100_mxfp8_cutedsl", dict(hidden_size=7168, intermediate_size=2080), ["intermediate_size"]),
+    ("sm100_mxfp8_cutedsl", dict(hidden_size=2880, intermediate_size=2880), ["hidden_size"]),  # 0.7.4: H % 128
     ("sm100_bf16_cutedsl", dict(hidden_size=7168, intermediate_size=2048, top_k=40, num_experts=64), ["top_k"]),
     ("sm100_bf16_cutedsl", dict(hidden_size=7184, intermediate_size=2056), ["hidden_size", "intermediate_size"]),
 ])

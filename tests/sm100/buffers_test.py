@@ -55,18 +55,36 @@ def test_block_scaled_inputs_match_what_dispatch_pulls(fmt, blk, act_cols, act_d
     assert f.act_sf.shape[1] == -(-(h // blk) // 4) * 4
 
 
-def test_bf16_terms_buffer_and_in_kernel_reduce_variant():
+def test_bf16_terms_are_staged_in_the_kernels_shared_workspace():
+    """Since 0.7.4 the BF16 kernel keeps its [C, K, H] bf16 terms in its own shared workspace and reduces them
+    itself: the frontend holds no term buffer; with the in-kernel reduce the output is the symmetric [C, H]."""
     from shim.sm100.knobs import heuristic_knobs
 
     c, k, h = GEOM["capacity"], GEOM["top_k"], GEOM["hidden"]
     f = _frontend("bf16")
     assert f.act.dtype == torch.bfloat16 and tuple(f.act.shape) == (c, h)
-    assert tuple(f.combine_buffer.shape) == (c, k, h) and f.sym_out is None
+    assert not hasattr(f, "combine") and f.sym_out is None and not f.kernel.skip_topk_reduce
     ikr = heuristic_knobs("bf16", c).replace(fc2_in_kernel_topk_reduce=True, token_back_mode="reuse_dispatch_warps")
     g = _frontend("bf16", knobs=ikr)
-    assert g.kernel.fc2_in_kernel_topk_reduce and not hasattr(g, "combine")
-    assert tuple(g.combine_buffer.shape) == (c, 1, h)
-    assert g.combine_buffer.data_ptr() == g.sym_out.data_ptr()
+    assert g.kernel.fc2_in_kernel_topk_reduce and tuple(g.sym_out.shape) == (c, h) and g.out_buf is g.sym_out
+    # The staging region is what the in-kernel reduce saves.
+    assert f.kernel.get_workspace_sizes()[1] - g.kernel.get_workspace_sizes()[1] >= c * k * h * 2
+
+
+def test_mxfp8_column_requant_outputs_are_sized_from_the_kernels_pool():
+    """0.7.4's MXFP8 launch ends by re-quantizing the received tokens along the token axis into two outputs
+    the caller hands it: [pool rows, H] e4m3 and one e8m0 byte per 32 tokens and column. Rank-local, and
+    sized as the drop's runner sizes them."""
+    f = _frontend("mxfp8")
+    kern, h = f.kernel, GEOM["hidden"]
+    pool = kern.pool_token_capacity
+    assert kern.token_padding_block == 128 and kern.token_padding_block in kern.col_quant.TokenPaddingBlocks
+    assert f.col_quant_data.dtype == torch.float8_e4m3fn and tuple(f.col_quant_data.shape) == (pool, h)
+    assert f.col_quant_sf.dtype == torch.uint8 and tuple(f.col_quant_sf.shape) == (h * pool // 32,)
+    # Every pool row the scheduler may fill: world x capacity x min(K, E_local) tokens, each expert padded.
+    w, c, k, e = 2, GEOM["capacity"], GEOM["top_k"], GEOM["experts_per_rank"]
+    assert pool >= w * c * min(k, e) and kern.col_quant.max_total_tokens == w * c * min(k, e)
+    assert kern.col_quant.hidden == h and kern.col_quant.num_experts == e
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
@@ -75,7 +93,7 @@ def test_symmetric_bytes_is_the_sum_of_heap_buffers(fmt):
     c, k, h = GEOM["capacity"], GEOM["top_k"], GEOM["hidden"]
     shared = f.kernel.get_workspace_sizes()[1]
     if fmt == "bf16":
-        act = c * h * 2 + c * k * h * 2  # activations + one bf16 term per (token, slot)
+        act = c * h * 2  # activations (the per-slot terms are in the shared workspace)
     else:
         act = c * h // (2 if fmt == "nvfp4" else 1) + c * f.act_sf.shape[1]
     assert f.symmetric_bytes() == shared + act + c * k * 4
@@ -107,12 +125,24 @@ def test_bad_geometry_names_the_argument_before_anything_is_built():
 
     with pytest.raises(ValueError, match="hidden_size: must be a multiple of 64"):
         make_frontend("nvfp4", **dict(GEOM, hidden=480), compile_only=True)
+    with pytest.raises(ValueError, match="hidden_size: must be a multiple of 128"):
+        make_frontend("mxfp8", **dict(GEOM, hidden=448), compile_only=True)
     with pytest.raises(ValueError, match="intermediate_size: must be a multiple of 32"):
         make_frontend("bf16", **dict(GEOM, intermediate=48), compile_only=True)
     with pytest.raises(ValueError, match="top_k: must be in"):
         make_frontend("mxfp8", **dict(GEOM, top_k=33), compile_only=True)
     with pytest.raises(ValueError, match="fmt must be one of"):
         make_frontend("fp8_block", **GEOM, compile_only=True)
+
+
+def test_the_mxfp8_hidden_rule_is_the_drops_own(monkeypatch):
+    """limits.py asks H % 128 for MXFP8 because the drop's kernel refuses anything else (its column requant)."""
+    from shim.sm100 import limits
+    from shim.sm100.knobs import InvalidKnobsError
+
+    monkeypatch.setitem(limits.FORMAT_MULTIPLE, "mxfp8", (64, 64))
+    with pytest.raises(InvalidKnobsError, match="hidden=448 is not supported"):
+        _frontend("mxfp8", hidden=448)
 
 
 def test_a_knob_set_the_kernel_cannot_build_is_refused_by_name():

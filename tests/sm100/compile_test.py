@@ -64,13 +64,16 @@ def test_in_kernel_reduce_variants_compile(fmt, token_back):
     assert compiled.has_gpu_module and f".target {os.environ['CUTE_DSL_ARCH']}" in compiled.artifacts.PTX
 
 
-def test_nvfp4_chains_its_topk_reduce_into_the_same_program():
-    """Without the in-kernel reduce, the NVFP4 launch also runs the drop's TopkReduce on the same stream."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
+def test_each_kernel_chains_its_topk_reduce_into_the_same_program(fmt):
+    """Without the in-kernel reduce, each launch also runs the drop's TopkReduce on the same stream (BF16 too
+    since 0.7.4); the MXFP8 launch then runs the column re-quantization of the received tokens."""
     from shim.sm100.frontend import make_frontend
 
-    f = make_frontend("nvfp4", **GEOM, capacity=64, compile_only=True)
+    f = make_frontend(fmt, **GEOM, capacity=64, compile_only=True)
     names = list(f.compile().kernel_info)
-    assert any("TopkReduce" in n or "reduce" in n.lower() for n in names), names
+    assert any("TopkReduce" in n for n in names), names
+    assert any("Mxfp8ColRequant" in n for n in names) == (fmt == "mxfp8"), names
 
 
 if __name__ == "__main__":

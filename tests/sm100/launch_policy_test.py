@@ -3,7 +3,8 @@
 The compiled kernel is replaced by a function that sees the very tensors a launch would be handed (the
 argument builder is swapped for one that passes torch tensors through), so what is checked is the
 frontend's own policy: capacity-sized inputs with spare rows routed to expert -1, the output extent, the
-argument cache, the in-kernel-reduce zeroing and the BF16 top-k sum.
+argument cache, the in-kernel-reduce zeroing, the MXFP8 column-requant outputs. Since 0.7.4 all three kernels
+sum their top-k terms themselves, so the three share one launch path.
 """
 import pytest
 import torch
@@ -63,14 +64,14 @@ def _inputs(t, seed=0):
 
 def _kernel_writing_output(f, value):
     def kernel(**args):
-        f.launches.append({k: (v.clone() if isinstance(v, torch.Tensor) and k not in ("local_workspace",
-                                                                                      "shared_workspace") else v)
+        kept = ("local_workspace", "shared_workspace", "col_quant_data", "col_quant_sf")  # by identity
+        f.launches.append({k: (v.clone() if isinstance(v, torch.Tensor) and k not in kept else v)
                            for k, v in args.items()})
         args["output_activation"].fill_(value)
     return kernel
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
 @pytest.mark.parametrize("t", [0, 1, 19, 32])
 def test_inputs_are_capacity_sized_and_spare_rows_are_masked(frontend, fmt, t):
     f = frontend(fmt)
@@ -82,18 +83,25 @@ def test_inputs_are_capacity_sized_and_spare_rows_are_masked(frontend, fmt, t):
     assert got is out and bool((out == 7.0).all())
     (a,) = f.launches
     c = GEOM["capacity"]
-    assert a["activation"].shape[0] == c and a["activation_sf"].shape[0] == c
+    assert a["activation"].shape[0] == c and (fmt == "bf16" or a["activation_sf"].shape[0] == c)
     assert a["topk_idx"].shape[0] == c and a["topk_weights"].shape[0] == c
     assert torch.equal(a["topk_idx"][:t], idx) and bool((a["topk_idx"][t:] == -1).all())
     assert torch.equal(a["topk_weights"][:t], w)
     # The top-k reduce covers the real rows only (one row when T = 0, so the launch stays well formed).
     assert a["output_activation"].shape[0] == max(t, 1)
     assert a["peer_rank_ptr_mapper_host"].num_max_ranks == 1 and a["stream"] == "stream"
-    if fmt == "mxfp8":
-        # Byte tensors, not pointers; the local one with its extent compiled in, as the drop's runner does.
+    if fmt in ("mxfp8", "bf16"):
+        # Byte tensors, not pointers; the local one with its extent compiled in, as the drop's runners do (the
+        # MXFP8 runner the shared one too since 0.7.4).
         kind, local = a["local_workspace"]
         assert a["fc1_c"] is None and kind == "static" and local is f.local_ws
-        assert a["shared_workspace"] is f.shared_ws
+        if fmt == "mxfp8":
+            kind, shared = a["shared_workspace"]
+            assert kind == "static" and shared is f.shared_ws
+            # The column requant's outputs: the frontend's own rank-local buffers, the same every launch.
+            assert a["col_quant_data"] is f.col_quant_data and a["col_quant_sf"] is f.col_quant_sf
+        else:
+            assert a["shared_workspace"] is f.shared_ws and "col_quant_data" not in a
     else:
         assert set(a) >= {"fc1_alpha", "fc2_alpha", "fc1_norm_const"} and "fc1_c" not in a
 
@@ -128,38 +136,31 @@ def test_in_kernel_reduce_output_is_zeroed_before_every_launch(frontend):
     assert seen == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("t", [0, 3, 32])
-def test_bf16_sums_the_topk_terms_in_fp32(frontend, t):
-    f = frontend("bf16")
-    k, h = GEOM["top_k"], GEOM["hidden"]
+@pytest.mark.parametrize("fmt", ["mxfp8", "bf16"])
+def test_in_kernel_reduce_output_is_the_symmetric_buffer_for_every_kernel(frontend, fmt):
+    from shim.sm100.knobs import heuristic_knobs
+
+    tb = "epi_warps" if fmt == "mxfp8" else "reuse_dispatch_warps"
+    f = frontend(fmt, heuristic_knobs(fmt, GEOM["capacity"]).replace(fc2_in_kernel_topk_reduce=True,
+                                                                    token_back_mode=tb))
 
     def kernel(**args):
-        assert "output_activation" not in args and args["fc1_c"] is None
-        assert args["topk_idx"].shape[0] == GEOM["capacity"]
-        assert bool((args["topk_idx"][t:] == -1).all())
-        terms = args["combine_output"]
-        assert tuple(terms.shape) == (GEOM["capacity"], k, h)
-        for j in range(k):  # 1, 2**-9, ... : an fp32 sum keeps what a bf16 running sum would drop
-            terms[:, j] = 1.0 if j == 0 else 2.0 ** -9
+        o = args["output_activation"]
+        assert o.data_ptr() == f.sym_out.data_ptr() and not o.abs().sum()
+        o.add_(3.0)
     f.compiled = kernel
-    x, idx, w = _inputs(t)
-    out = f.forward(x, idx, w)
-    assert tuple(out.shape) == (t, h) and out.dtype == torch.bfloat16
-    want = torch.tensor(1.0 + (k - 1) * 2.0 ** -9).to(torch.bfloat16)
-    assert bool((out == want).all())
+    out = f.forward(*_inputs(4))
+    assert bool((out == 3.0).all())
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
 def test_a_graphed_launch_leaves_the_result_where_the_replay_reads_it(frontend, fmt):
     """Inside the base's per-token-count CUDA graph the launch has no `out`: the result must be in out_buf."""
     f = frontend(fmt)
     t, k = 5, GEOM["top_k"]
-    if fmt == "bf16":
-        def kernel(**args):
-            args["combine_output"][:, :] = 0.5
-    else:
-        def kernel(**args):
-            args["output_activation"].fill_(0.5 * k)
+
+    def kernel(**args):
+        args["output_activation"].fill_(0.5 * k)
     f.compiled = kernel
     x, idx, w = _inputs(t)
     f.x_in[:t].copy_(x)

@@ -16,8 +16,8 @@ SM90_VERSION = "0.7.4"
 SM90_SHA256 = "a051a62e09a2738e8b0de47a1944fd2f0f3eff01b728b662141ea660cb09dd32"
 
 # Blackwell (sm100): flashinfer/moe_ep/kernel_src/sm100/cutedsl_megamoe/src/
-SM100_VERSION = "0.7.2.post1"
-SM100_SHA256 = "bfdc18b9e1e4d8d0730fe4343dc0e284cd0c160086de80f99888bc4867922d49"
+SM100_VERSION = "0.7.4"
+SM100_SHA256 = "a051a62e09a2738e8b0de47a1944fd2f0f3eff01b728b662141ea660cb09dd32"
 
 SM90_STRIP_PREFIX = "flashinfer/moe_ep/kernel_src/sm90/pull_style_cutedsl_megakernel/src"
 SM100_STRIP_PREFIX = "flashinfer/moe_ep/kernel_src/sm100/cutedsl_megamoe/src"
