@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
 from moe_ep.backends._sm90 import Sm90KernelBackend
 
 __all__ = ["Sm90Bf16Backend"]

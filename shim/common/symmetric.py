@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 

@@ -13,8 +13,7 @@ import torch
 
 from moe_ep.core.weights import QuantizedWeights
 from moe_ep.reference import quant
-from shim.common.frontend import MegaMoEFrontend
-from shim.sm90.knobs import HopperKnobs, InvalidKnobsError, resolve_knobs
+from shim.sm90.frontend import Sm90Frontend
 
 __all__ = ["Sm90Bf16Frontend", "Bf16KernelWeights"]
 
@@ -26,8 +25,7 @@ class Bf16KernelWeights:
     fc2: torch.Tensor  # (E, I, H) bf16 view, I stride 1
 
 
-class Sm90Bf16Frontend(MegaMoEFrontend):
-    arch = "sm90"
+class Sm90Bf16Frontend(Sm90Frontend):
     fmt = "bf16"
 
     def __init__(self, **kw):
@@ -36,34 +34,9 @@ class Sm90Bf16Frontend(MegaMoEFrontend):
                 raise ValueError(f"{name}={kw[name]} must be a multiple of 64 for the BF16 kernel (K tile 64)")
         super().__init__(**kw)
 
-    def symbols(self):
-        from shim.sm90 import kernel_symbols
-
-        return kernel_symbols
-
-    def resolve_knobs(self, knobs, cache_key: str):
-        return resolve_knobs(knobs, fmt="bf16", capacity=self.capacity, cache_key=cache_key)
-
-    def build_kernel(self, knobs: HopperKnobs):
+    def kernel_classes(self):
         ks = self.symbols()
-        if knobs.kernel != "Sm90MegaMoEBf16Kernel":
-            raise InvalidKnobsError("kernel", f"the BF16 frontend builds Sm90MegaMoEBf16Kernel, got {knobs.kernel!r}")
-        cls = ks.Sm90MegaMoESwapABBf16Kernel if knobs.swap_ab else ks.Sm90MegaMoEBf16Kernel
-        try:
-            return cls(
-                mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk, use_2cta_instrs=False,
-                group_hint=knobs.group_hint or self.max_active_clusters, token_padding_block=knobs.token_tile,
-                load_balance_mode=knobs.load_balance_mode,
-                static_expert_shape=(self.experts_per_rank, 2 * self.intermediate, self.hidden),
-                pingpong=knobs.pingpong, world_size=self.world_size, local_rank=self.rank, num_topk=self.top_k,
-                max_tokens_per_rank=self.capacity, hidden=self.hidden,
-                fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce, apply_topk_in_fc1=True,
-                token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch,
-                flag_batch=knobs.flag_batch, gate_up_clamp=self.gate_up_clamp,
-                tail_split_pairs=knobs.tail_split_pairs,
-            )
-        except (ValueError, NotImplementedError, AssertionError, TypeError) as e:
-            raise InvalidKnobsError("knobs", f"the kernel rejects {knobs}: {e}") from e
+        return ks.Sm90MegaMoEBf16Kernel, ks.Sm90MegaMoESwapABBf16Kernel
 
     def input_buffers(self):
         return [("act", (self.capacity, self.hidden), torch.bfloat16)]

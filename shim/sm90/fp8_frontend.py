@@ -8,14 +8,13 @@ weight block scales and per-64 FC2-input scales it computes itself, and combines
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from moe_ep.reference import quant
-from shim.common.frontend import H200_SM_COUNT, MegaMoEFrontend
+from shim.common.frontend import H200_SM_COUNT
+from shim.sm90.frontend import Sm90Frontend
 from shim.sm90 import fp8_weights
-from shim.sm90.knobs import SCALE_MODES, Fp8Knobs, InvalidKnobsError, resolve_knobs
+from shim.sm90.knobs import SCALE_MODES, HopperKnobs
 
 __all__ = ["Sm90Fp8Frontend", "H200_SM_COUNT"]
 
@@ -26,8 +25,7 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-class Sm90Fp8Frontend(MegaMoEFrontend):
-    arch = "sm90"
+class Sm90Fp8Frontend(Sm90Frontend):
 
     def __init__(self, *, fmt: str = "fp8_block", **kw):
         if fmt not in SCALE_MODES:
@@ -41,39 +39,20 @@ class Sm90Fp8Frontend(MegaMoEFrontend):
         self.fmt = fmt
         super().__init__(**kw)
 
-    def symbols(self):
-        from shim.sm90 import kernel_symbols
-
-        return kernel_symbols
-
-    def resolve_knobs(self, knobs, cache_key: str):
-        return resolve_knobs(knobs, fmt=self.fmt, capacity=self.capacity, cache_key=cache_key)
-
-    def build_kernel(self, knobs: Fp8Knobs):
+    def kernel_classes(self):
         ks = self.symbols()
         if ks.Fp8GateUpInterleave != fp8_weights.GATE_UP_INTERLEAVE:
             raise RuntimeError(f"drop's Fp8GateUpInterleave={ks.Fp8GateUpInterleave}, the weight packer assumes "
                                f"{fp8_weights.GATE_UP_INTERLEAVE}")
+        return ks.Sm90MegaMoEFp8Kernel, ks.Sm90MegaMoESwapABFp8Kernel
+
+    def format_kwargs(self, knobs: HopperKnobs):
         import cutlass
 
-        cls = ks.Sm90MegaMoESwapABFp8Kernel if knobs.swap_ab else ks.Sm90MegaMoEFp8Kernel
-        try:
-            return cls(
-                mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk, use_2cta_instrs=False,
-                group_hint=knobs.group_hint or self.max_active_clusters, token_padding_block=knobs.token_tile,
-                sf_padding_block=ks.SfPaddingBlock, load_balance_mode=knobs.load_balance_mode,
-                static_expert_shape=(self.experts_per_rank, 2 * self.intermediate, self.hidden),
-                ab_dtype=cutlass.Float8E4M3FN, sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=SCALE_MODES[self.fmt],
-                fp8_accum_mode=knobs.accum_mode, pingpong=knobs.pingpong,
-                world_size=self.world_size, local_rank=self.rank, num_topk=self.top_k,
-                max_tokens_per_rank=self.capacity, hidden=self.hidden,
-                fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce, apply_topk_in_fc1=True,
-                token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch,
-                flag_batch=knobs.flag_batch, gate_up_clamp=self.gate_up_clamp,
-                tail_split_pairs=knobs.tail_split_pairs,
-            )
-        except (ValueError, NotImplementedError, AssertionError, TypeError) as e:
-            raise InvalidKnobsError("knobs", f"the kernel rejects {knobs}: {e}") from e
+        ks = self.symbols()
+        return dict(sf_padding_block=ks.SfPaddingBlock, ab_dtype=cutlass.Float8E4M3FN,
+                    sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=SCALE_MODES[self.fmt],
+                    fp8_accum_mode=knobs.accum_mode)
 
     def input_buffers(self):
         c, h = self.capacity, self.hidden

@@ -1,5 +1,5 @@
 """Which launch shape is right below capacity? Checks each variant against the oracle and times it."""
-import json, os, sys, time
+import json, os, sys
 import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from sm90_fp8_first_light import oracle, routing  # noqa: E402

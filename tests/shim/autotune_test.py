@@ -4,11 +4,10 @@ import os
 import socket
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shim.common.autotune import (CandidateMismatchError, NoViableCandidateError, collective_autotune)
+from shim.common.autotune import NoViableCandidateError, collective_autotune
 
 
 def _free_port():

@@ -1,6 +1,5 @@
 """Knob resolution: explicit > persistent cache > the drop's heuristic; invalid sets fail before compiling."""
 import json
-import os
 
 import pytest
 

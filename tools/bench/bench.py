@@ -65,6 +65,31 @@ def cuda_time_us(fn: Callable[[], None], iters: int = 30, warmup: int = 5) -> fl
     return statistics.median(times)
 
 
+def host_time_us(fn: Callable[[], None], iters: int = 20) -> float:
+    """CPU time of one call, median, with the GPU queue far from full (so no call blocks on the GPU)."""
+    torch.cuda.synchronize()
+    cpu = []
+    for _ in range(iters):
+        c0 = time.perf_counter()
+        fn()
+        cpu.append((time.perf_counter() - c0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(cpu)
+
+
+def init_single_rank(port: str = "29517") -> torch.device:
+    """GPU 0 and a one-rank process group (gloo for CPU tensors, NCCL for CUDA), unless one exists."""
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", port)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=dev)
+    return dev
+
+
 def measure_rates(device) -> Dict[str, float]:
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device=device)
@@ -77,7 +102,6 @@ def measure_rates(device) -> Dict[str, float]:
     one = torch.ones((), device=device)
     us = cuda_time_us(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), iters=20)
     fp8 = 2 * m ** 3 / (us * 1e-6)
-    del src, dst, a, b
     return {"copy_bytes_per_s": bw, "fp8_flops_per_s": fp8}
 
 
@@ -147,16 +171,9 @@ def bucket(t: int) -> int:
 
 
 def run(args) -> List[dict]:
-    import torch.distributed as dist
-
     import moe_ep
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=dev)
+    dev = init_single_rank()
     rates = measure_rates(dev)
     print(f"measured: copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s, fp8 matmul "
           f"{rates['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
@@ -192,27 +209,13 @@ def run(args) -> List[dict]:
             out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
             row = dict(geom=gname, hidden=h, intermediate=i, experts=e, top_k=k, T=t, capacity=cap,
                        knobs=str(layer.backend.knobs))
-            row["moe_ep_eager_us"] = cuda_time_us(lambda: layer(x, idx, w, out=out))
-            # host overhead: CPU time per call with the GPU queue far from full
-            torch.cuda.synchronize()
-            cpu = []
-            for _ in range(20):
-                c0 = time.perf_counter()
-                layer(x, idx, w, out=out)
-                cpu.append((time.perf_counter() - c0) * 1e6)
-            torch.cuda.synchronize()
-            row["host_overhead_us"] = statistics.median(cpu)
+            call = lambda: layer(x, idx, w, out=out)  # noqa: E731
+            row["moe_ep_eager_us"] = cuda_time_us(call)
+            row["host_overhead_us"] = host_time_us(call)
             fe = layer.backend.frontend
             fe.use_graphs = False  # the launch without moe_ep's per-token-count graphs, for comparison
-            row["moe_ep_nograph_us"] = cuda_time_us(lambda: layer(x, idx, w, out=out))
-            torch.cuda.synchronize()
-            cpu = []
-            for _ in range(20):
-                c0 = time.perf_counter()
-                layer(x, idx, w, out=out)
-                cpu.append((time.perf_counter() - c0) * 1e6)
-            torch.cuda.synchronize()
-            row["host_overhead_nograph_us"] = statistics.median(cpu)
+            row["moe_ep_nograph_us"] = cuda_time_us(call)
+            row["host_overhead_nograph_us"] = host_time_us(call)
             fe.use_graphs = True
             args_k = next(iter(fe._args_cache.values()))
             row["kernel_us"] = cuda_time_us(lambda: fe.compiled(**args_k))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from collections import defaultdict
 
 import torch
@@ -29,22 +28,15 @@ def classify(name: str) -> str:
 
 
 def main(argv=None) -> int:
-    import torch.distributed as dist
-
     import moe_ep
-    from tools.bench.bench import GEOMS, bucket, routing
+    from tools.bench.bench import GEOMS, bucket, init_single_rank, routing
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "profile_out"))
     p.add_argument("--tokens", nargs="+", type=int, default=[8, 128, 512, 4096])
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29519")
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=dev)
+    dev = init_single_rank("29519")
     g = GEOMS["dsv3"]
     h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
     gen = torch.Generator().manual_seed(0)
