@@ -32,9 +32,11 @@ def candidate_knobs(fmt: str, capacity: int, build_check: Optional[Callable[[Fp8
     for gh in (None, 132, 264):
         cands.append(base.replace(group_hint=gh))
     out: List[Fp8Knobs] = []
+    seen = set()
     for c in cands:
-        if c in out:
+        if c in seen:  # each distinct config is validated (and build-checked) once
             continue
+        seen.add(c)
         try:
             c.validate()
             if build_check is not None:

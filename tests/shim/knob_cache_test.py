@@ -87,6 +87,23 @@ def test_invalid_knobs_are_rejected_by_name(bad, knob):
     assert e.value.knob == knob and knob in str(e.value)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_block", "bf16"])
+@pytest.mark.parametrize("capacity", [1, 128, 700, 4096])
+def test_autotune_candidates_are_valid_unique_and_start_with_the_heuristic(fmt, capacity):
+    from shim.sm90.knobs import heuristic_knobs
+    from shim.sm90.tune import candidate_knobs
+
+    cands = candidate_knobs(fmt, capacity)
+    assert cands[0] == heuristic_knobs(fmt, capacity)
+    assert len(cands) == len(set(cands)) >= 2
+    for c in cands:
+        assert c.validate() is c and c.kernel == cands[0].kernel
+    rejected = []
+    assert candidate_knobs(fmt, capacity, build_check=lambda k: rejected.append(k) or (_ for _ in ()).throw(
+        __import__("shim.sm90.knobs", fromlist=["x"]).InvalidKnobsError("knobs", "refused"))) == []
+    assert len(rejected) == len(cands)
+
+
 def test_correctness_and_perf_knobs_partition_the_knob_set():
     from dataclasses import fields
 
