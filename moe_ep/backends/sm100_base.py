@@ -6,21 +6,19 @@ from __future__ import annotations
 
 from typing import ClassVar, List, Optional, Tuple
 
-from moe_ep.core.backend import Backend
+from moe_ep.backends._kernel import KernelBackend
 from moe_ep.core.errors import BackendUnavailableError
-from moe_ep.core.weights import ExpertWeights, QuantizedWeights
+from moe_ep.core.weights import QuantizedWeights
 
 __all__ = ["Sm100Backend"]
 
 
-class Sm100Backend(Backend):
+class Sm100Backend(KernelBackend):
     arch = "sm100"
     name: ClassVar[str] = "sm100_abstract"
     weight_formats: ClassVar[Tuple[str, ...]] = ()
 
-    def __init__(self, spec, ctx, fmt: Optional[str] = None, *, knobs=None, max_active_clusters=None,
-                 knob_cache_key: Optional[str] = None):
-        super().__init__(spec, ctx, fmt)
+    def __init__(self, spec, ctx, fmt: Optional[str] = None, *, knobs=None, **options):
         from moe_ep.core.registry import detect_arch
 
         found = detect_arch(ctx.device)
@@ -35,19 +33,12 @@ class Sm100Backend(Backend):
             warnings.warn(f"{self.name}: knobs='auto' does not run a collective autotune on sm100 yet; using the "
                           "knob cache entry for this geometry if there is one, else the measured profile",
                           RuntimeWarning, stacklevel=2)
-        from shim.common.knob_cache import cache_key
+        super().__init__(spec, ctx, fmt, knobs=knobs, **options)
+
+    def make_frontend(self, knobs):
         from shim.sm100.frontend import make_frontend
 
-        e_local = spec.experts_per_rank(ctx.world_size)
-        key = knob_cache_key or cache_key(
-            arch="sm100", fmt=self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
-            experts_per_rank=e_local, top_k=spec.top_k, world_size=ctx.world_size, capacity=spec.max_tokens_per_rank)
-        self.frontend = make_frontend(
-            self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size, experts_per_rank=e_local,
-            top_k=spec.top_k, capacity=spec.max_tokens_per_rank, rank=ctx.rank, world_size=ctx.world_size,
-            group=ctx.group, device=ctx.device, knobs=knobs, gate_up_clamp=spec.gate_up_clamp, knob_cache_key=key,
-            max_active_clusters=max_active_clusters)
-        self._last_t = 0
+        return make_frontend(self.fmt, knobs=knobs, **self._frontend_kw)
 
     @classmethod
     def check_spec(cls, spec, fmt: str, world_size: int) -> List[Tuple[str, str]]:
@@ -62,23 +53,11 @@ class Sm100Backend(Backend):
         return problems
 
     @property
-    def knobs(self):
-        return self.frontend.knobs
-
-    @property
     def apply_topk_in_fc1(self) -> bool:
         """True for all three: the frontends build the NVFP4 and BF16 kernels with apply_topk_in_fc1=True, and the
         MXFP8 kernel (drop 0.7.4) has no such flag, it always folds the routing weight into the SwiGLU output
         before the FC2-input quantization. The oracle reads this to do the same."""
         return True
-
-    def prepare_weights(self, weights: ExpertWeights) -> None:
-        self.frontend.load_weights(weights.w13, weights.w2)
-        self.frontend.compile()
-
-    def forward(self, hidden, topk_idx, topk_weights, out):
-        self._last_t = hidden.shape[0]
-        return self.frontend.forward(hidden, topk_idx, topk_weights, out)
 
     def oracle_weights(self) -> QuantizedWeights:
         # Read back from the tensors the kernel is handed (unpacked, de-swizzled, de-interleaved).
@@ -86,6 +65,3 @@ class Sm100Backend(Backend):
 
     def staged_activation(self):
         return self.frontend.staged_activation(self._last_t)
-
-    def close(self) -> None:
-        self.frontend.close()

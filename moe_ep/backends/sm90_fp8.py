@@ -19,9 +19,6 @@ class Sm90Fp8Backend(Sm90KernelBackend):
 
         return Sm90Fp8Frontend
 
-    def _make_frontend(self, knobs):
-        return self.frontend_class()(fmt=self.fmt, knobs=knobs, **self._frontend_kw)
-
     def staged_activation(self):
         from moe_ep.reference.quant import QuantizedActivation
 

@@ -15,6 +15,7 @@ pairing) against them.
 """
 
 from shim.common import tree as _tree
+from shim.common.lazy import lazy_attributes
 
 _tree.activate("sm100")
 
@@ -52,17 +53,4 @@ _LAZY = {
 __all__ = [*_LAZY]
 
 
-def __getattr__(name):
-    try:
-        module_name, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    import importlib
-
-    value = getattr(importlib.import_module(module_name), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -8,6 +8,7 @@ this module costs no cutlass import.
 """
 
 from shim.common import tree as _tree
+from shim.common.lazy import lazy_attributes
 
 _tree.activate("sm90")
 
@@ -53,17 +54,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    try:
-        module_name, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    import importlib
-
-    value = getattr(importlib.import_module(module_name), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
