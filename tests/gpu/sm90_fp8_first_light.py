@@ -7,7 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from shim.sm90.fp8_frontend import Sm90Fp8Frontend  # noqa: E402
-from shim.sm90 import fp8_weights  # noqa: E402
+from moe_ep.reference import quant  # noqa: E402
 
 
 def oracle(front, w, x_q, x_s, idx, tw, clamp):
@@ -15,7 +15,7 @@ def oracle(front, w, x_q, x_s, idx, tw, clamp):
     e, i = front.experts_per_rank, front.intermediate
     x = x_q.float() * x_s.repeat_interleave(128, dim=1)
     q1 = w.fc1.permute(0, 2, 1)  # (E, 2I, H) interleaved
-    w13 = fp8_weights.deinterleave_gate_up(q1.float() * w.fc1_scale.repeat_interleave(128, 1).repeat_interleave(128, 2))
+    w13 = quant.deinterleave_gate_up(q1.float() * w.fc1_scale.repeat_interleave(128, 1).repeat_interleave(128, 2))
     q2 = w.fc2.permute(0, 2, 1)
     w2 = q2.float() * w.fc2_scale.repeat_interleave(128, 1).repeat_interleave(128, 2)
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
