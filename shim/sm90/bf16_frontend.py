@@ -28,7 +28,9 @@ class Bf16KernelWeights:
 class Sm90Bf16Frontend(Sm90Frontend):
     fmt = "bf16"
 
-    def __init__(self, **kw):
+    def __init__(self, *, fmt: str = "bf16", **kw):
+        if fmt != "bf16":
+            raise ValueError(f"the BF16 frontend serves fmt 'bf16', got {fmt!r}")
         for name in ("hidden", "intermediate"):
             if kw[name] % 64:
                 raise ValueError(f"{name}={kw[name]} must be a multiple of 64 for the BF16 kernel (K tile 64)")

@@ -38,6 +38,22 @@ def test_bf16_kernel_compiles_on_cpu(capacity):
     assert callable(f.compile())
 
 
+@pytest.mark.parametrize("backend", ["sm90_fp8_cutedsl", "sm90_bf16_cutedsl"])
+def test_backend_builds_its_frontend_the_way_the_layer_does(backend):
+    """The backends construct frontends with fmt= plus the layer's keywords (Sm90KernelBackend.make_frontend)."""
+    from moe_ep.core.registry import resolve_backend
+
+    cls = resolve_backend(backend)
+    fmt = cls.weight_formats[0]
+    f = cls.frontend_class()(fmt=fmt, knobs=None, hidden=512, intermediate=256, experts_per_rank=4, top_k=2,
+                             capacity=64, rank=0, world_size=1, group=None, device=None, gate_up_clamp=None,
+                             knob_cache_key="k", max_active_clusters=None, compile_only=True)
+    assert f.fmt == fmt and f.knobs.kernel.startswith("Sm90MegaMoE")
+    with pytest.raises(ValueError, match="fmt"):
+        cls.frontend_class()(fmt="nvfp4", hidden=512, intermediate=256, experts_per_rank=4, top_k=2, capacity=64,
+                             compile_only=True)
+
+
 def test_bad_geometry_is_refused_before_compiling():
     from shim.sm90.fp8_frontend import Sm90Fp8Frontend
 
