@@ -12,7 +12,7 @@ from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
 from moe_ep.reference import quant
 
-__all__ = ["ROUTINGS", "Problem", "make_routing"]
+__all__ = ["ROUTINGS", "Problem", "make_routing", "unquantized_reference"]
 
 # balanced:  every expert gets the same number of (token, slot) pairs (+-1), ids shuffled per rank
 # uniform:   K distinct experts per token, uniformly at random
@@ -120,3 +120,21 @@ class Problem:
         if calibrate:
             kw["act_amax"], kw["fc2_act_amax"] = self.calibration()
         return ExpertWeights(w13, w2, rank, self.world_size, self.spec.num_experts, **kw)
+
+
+def unquantized_reference(weights, hidden: torch.Tensor, topk_idx: torch.Tensor,
+                          topk_weights: torch.Tensor) -> Optional[torch.Tensor]:
+    """fp32 MoE forward with no quantization over one rank's ExpertWeights (world size 1 only, else None): the
+    GPU suites set a kernel's output against it to show the format's own error, apart from the oracle check."""
+    if weights.world_size != 1:
+        return None
+    w13, w2 = weights.w13.float(), weights.w2.float()
+    i = w2.shape[2]
+    out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    for e in range(w13.shape[0]):
+        tok, slot = (topk_idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            f = hidden[tok].float() @ w13[e].t()
+            y = torch.nn.functional.silu(f[:, :i]) * f[:, i:] * topk_weights[tok, slot, None]
+            out.index_put_((tok,), y @ w2[e].t(), accumulate=True)
+    return out

@@ -23,6 +23,7 @@ import torch
 
 import moe_ep
 from moe_ep.reference.oracle import OUTPUT_TOLERANCE, check_multirank
+from moe_ep.testing.problems import unquantized_reference
 
 BACKENDS = {"sm90_fp8_cutedsl": ("fp8_block", 1e-2), "sm90_bf16_cutedsl": ("bf16", 5e-3)}
 GEOMS = {
@@ -44,23 +45,6 @@ def routing(t, num_experts, k, skew, gen, device):
     return idx.to(device), w.to(device)
 
 
-def fp32_reference(layer, hidden, idx, w):
-    """Unquantized EP-free forward over this rank's weights only (world size 1): the format's own error."""
-    if layer.world_size != 1:
-        return None
-    w13, w2 = layer.w13.float(), layer.w2.float()
-    t, h = hidden.shape
-    i = w2.shape[2]
-    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
-    for e in range(w13.shape[0]):
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        if tok.numel():
-            f = hidden[tok].float() @ w13[e].t()
-            y = torch.nn.functional.silu(f[:, :i]) * f[:, i:] * w[tok, slot, None]
-            out.index_put_((tok,), y @ w2[e].t(), accumulate=True)
-    return out
-
-
 @pytest.fixture(scope="module", params=[(b, g) for b in SELECTED for g in GEOMS], ids=lambda p: f"{p[0]}-{p[1]}")
 def layer(request, dist_ctx):
     backend, geom = request.param
@@ -75,7 +59,7 @@ def layer(request, dist_ctx):
     w2 = (torch.randn(el, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).cuda()
     weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world, num_experts=e)
     lay = moe_ep.MoELayer(spec, weights, backend=backend, device=torch.device("cuda"))
-    lay.geom, lay.w13, lay.w2, lay.weights = geom, w13, w2, weights
+    lay.geom, lay.weights = geom, weights
     lay.max_rel_l2 = BACKENDS[backend][1]
     yield lay
     lay.close()
@@ -106,7 +90,7 @@ def test_matches_oracle(layer, t, skew, case_log):
         tol = max(OUTPUT_TOLERANCE["fp8_block"], 0.75 / layer.spec.intermediate_size ** 0.5)
     report = check_multirank(layer, hidden, idx, w, out, weights=layer.weights, tol=tol, raise_on_failure=False)
     mine = report.mine(layer.rank)
-    full = fp32_reference(layer, hidden, idx, w)
+    full = unquantized_reference(layer.weights, hidden, idx, w)
     fmt_err = None if full is None else float((out.float() - full).norm() / full.norm().clamp(min=1e-30))
     local_tokens = int(((idx // layer.experts_per_rank) == layer.rank).any(dim=1).sum()) if t else 0
     case_log(suite="sm90", backend=layer.backend_name, geom=layer.geom, world=layer.world_size, rank=layer.rank,

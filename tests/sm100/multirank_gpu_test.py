@@ -18,10 +18,8 @@ NVFP4 scales activations statically: every rank calibrates on a batch of its own
 experts, the amaxes are all-reduced (max), so all ranks hold the same global scales, as an offline
 calibration pass would give them.
 """
-import datetime
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -29,7 +27,7 @@ import torch
 import moe_ep
 from moe_ep.reference import quant
 from moe_ep.reference.oracle import check_multirank
-from moe_ep.testing.problems import make_routing
+from moe_ep.testing.problems import make_routing, unquantized_reference
 
 BACKENDS = {"sm100_nvfp4_cutedsl": "nvfp4", "sm100_mxfp8_cutedsl": "mxfp8", "sm100_bf16_cutedsl": "bf16"}
 GEOMS = {
@@ -42,32 +40,13 @@ CAPACITY = 4096
 SELECTED = [b for b in os.environ.get("MOE_EP_SM100_BACKENDS", ",".join(BACKENDS)).split(",") if b]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def dist_ctx():
-    """torch.distributed over NCCL (+gloo for objects): from the launcher's env, or a one-rank group."""
+    from tools.launch.gpu_suite import init_rank_group
+
     import torch.distributed as dist
 
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n <= local or torch.cuda.get_device_capability(local)[0] != 10:
-        pytest.fail(f"rank {os.environ['RANK']} needs an sm100 GPU at cuda:{local}; found {n} CUDA device(s)",
-                    pytrace=False)
-    torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=datetime.timedelta(seconds=300),
-                                device_id=torch.device("cuda", local))
-    yield dist.get_rank(), world
+    yield init_rank_group("sm100")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -139,26 +118,10 @@ def _inputs(layer, t, routing, seed):
     return hidden.cuda(), idx.cuda(), w.cuda()
 
 
-def fp32_reference(layer, hidden, idx, w):
-    """Unquantized forward over this rank's weights (world size 1 only): the format's own error, shown apart."""
-    if layer.world_size != 1:
-        return None
-    w13, w2 = layer.weights.w13.float(), layer.weights.w2.float()
-    i = w2.shape[2]
-    out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    for e in range(w13.shape[0]):
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        if tok.numel():
-            f = hidden[tok].float() @ w13[e].t()
-            y = torch.nn.functional.silu(f[:, :i]) * f[:, i:] * w[tok, slot, None]
-            out.index_put_((tok,), y @ w2[e].t(), accumulate=True)
-    return out
-
-
 def _check(layer, hidden, idx, w, out, **case):
     report = check_multirank(layer, hidden, idx, w, out, weights=layer.weights, raise_on_failure=False)
     mine = report.mine(layer.rank)
-    full = fp32_reference(layer, hidden, idx, w)
+    full = unquantized_reference(layer.weights, hidden, idx, w)
     fmt_err = None if full is None or hidden.shape[0] == 0 else \
         float((out.float() - full).norm() / full.norm().clamp(min=1e-30))
     log_case(suite="sm100", backend=layer.backend_name, fmt=layer.fmt, geom=layer.geom, world=layer.world_size,
