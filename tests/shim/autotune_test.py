@@ -1,19 +1,13 @@
 """Collective autotune over gloo with fake timings: the slowest rank decides, everyone agrees."""
 import math
 import os
-import socket
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shim.common.autotune import NoViableCandidateError, collective_autotune
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tools.launch.launcher import free_port
 
 
 def _worker(rank, world, port, scenario, q):
@@ -49,7 +43,7 @@ def _worker(rank, world, port, scenario, q):
 def _run(scenario, world=3):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, scenario, q)) for r in range(world)]
     for p in procs:
         p.start()
