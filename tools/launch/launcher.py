@@ -1,6 +1,6 @@
 """Launch N ranks on this machine.
 
-    python -m tools.launch.launcher --nproc 4 --device cpu -- tests/multirank/some_test.py -k balanced
+    python -m tools.launch.launcher --nproc 4 --device cpu -- tests/moe_ep/multirank_cpu_test.py -k balanced
     python -m tools.launch.launcher --nproc 2 --device cuda -- -m tools.main --ranks 2
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port),

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.drop import synthetic
+from tests.tools.drop import synthetic
 from tools.drop import cli
 from tools.drop.fetch import sha256_file
 from third_party.cutedsl_megamoe.manifest import compute_manifest

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_ep.reference import quant
-from tests.sm100.helpers import canonical_weights, same_bytes
+from tests.shim.sm100.helpers import canonical_weights, same_bytes
 
 pytestmark = pytest.mark.usefixtures("sm100_tree")
 

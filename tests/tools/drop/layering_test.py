@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.drop import synthetic
+from tests.tools.drop import synthetic
 from tools.drop.layering import check_layering
 from tools.drop.trees import find_repo_root
 

@@ -18,7 +18,6 @@ NVFP4 scales activations statically: every rank calibrates on a batch of its own
 experts, the amaxes are all-reduced (max), so all ranks hold the same global scales, as an offline
 calibration pass would give them.
 """
-import json
 import os
 
 import pytest
@@ -28,6 +27,7 @@ import moe_ep
 from moe_ep.reference import quant
 from moe_ep.reference.oracle import check_multirank
 from moe_ep.testing.problems import make_routing, unquantized_reference
+from tests.support.gpu import case_log, dist_ctx, shared_seed  # noqa: F401 (pytest fixtures)
 
 BACKENDS = {"sm100_nvfp4_cutedsl": "nvfp4", "sm100_mxfp8_cutedsl": "mxfp8", "sm100_bf16_cutedsl": "bf16"}
 GEOMS = {
@@ -38,36 +38,6 @@ TOKENS = [1, 7, 64, 128, 1000, 4096]
 ROUTINGS = ["balanced", "skewed", "no_local"]
 CAPACITY = 4096
 SELECTED = [b for b in os.environ.get("MOE_EP_SM100_BACKENDS", ",".join(BACKENDS)).split(",") if b]
-
-
-@pytest.fixture(scope="session")
-def dist_ctx():
-    from tools.launch.gpu_suite import init_rank_group
-
-    import torch.distributed as dist
-
-    yield init_rank_group("sm100")
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def log_case(**row):
-    """One JSON line per case on stdout, and in $MOE_EP_GPU_LOG.rank<r>.jsonl when set."""
-    line = json.dumps(row)
-    print(line, flush=True)
-    path = os.environ.get("MOE_EP_GPU_LOG")
-    if path:
-        with open(f"{path}.rank{os.environ.get('RANK', '0')}.jsonl", "a") as f:
-            f.write(line + "\n")
-
-
-def _shared_seed(salt=0):
-    """Fresh every run, the same on every rank (so the routings are one problem), logged with each case."""
-    import torch.distributed as dist
-
-    s = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1], dtype=torch.int64, device="cuda")
-    dist.broadcast(s, src=0)
-    return int(s.item()) + salt
 
 
 def _calibration(w13, w2, top_k, gate_up_clamp, gen):
@@ -118,13 +88,13 @@ def _inputs(layer, t, routing, seed):
     return hidden.cuda(), idx.cuda(), w.cuda()
 
 
-def _check(layer, hidden, idx, w, out, **case):
+def _check(case_log, layer, hidden, idx, w, out, **case):
     report = check_multirank(layer, hidden, idx, w, out, weights=layer.weights, raise_on_failure=False)
     mine = report.mine(layer.rank)
     full = unquantized_reference(layer.weights, hidden, idx, w)
     fmt_err = None if full is None or hidden.shape[0] == 0 else \
         float((out.float() - full).norm() / full.norm().clamp(min=1e-30))
-    log_case(suite="sm100", backend=layer.backend_name, fmt=layer.fmt, geom=layer.geom, world=layer.world_size,
+    case_log(suite="sm100", backend=layer.backend_name, fmt=layer.fmt, geom=layer.geom, world=layer.world_size,
              rank=layer.rank, T=int(hidden.shape[0]), nan=mine.nan_count, rel_l2=mine.rel_l2_err,
              max_row_rel=mine.max_row_rel_err, max_abs=mine.max_abs_err, tolerance=mine.tolerance,
              weight_rel_err=mine.weight_rel_err, act_rel_err=mine.act_rel_err, rel_l2_vs_fp32_unquantized=fmt_err,
@@ -135,29 +105,29 @@ def _check(layer, hidden, idx, w, out, **case):
 
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("t", TOKENS)
-def test_matches_oracle(layer, t, routing):
-    seed = _shared_seed()
+def test_matches_oracle(layer, t, routing, shared_seed, case_log):
+    seed = shared_seed()
     hidden, idx, w = _inputs(layer, t, routing, seed)
     out = torch.full((t, layer.spec.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
     layer(hidden, idx, w, out=out)
     torch.cuda.synchronize()
-    _check(layer, hidden, idx, w, out, routing=routing, seed=seed)
+    _check(case_log, layer, hidden, idx, w, out, routing=routing, seed=seed)
 
 
-def test_unequal_token_counts_and_an_idle_rank(layer):
+def test_unequal_token_counts_and_an_idle_rank(layer, shared_seed, case_log):
     """Rank r sends 37 * r tokens: rank 0 sends none but still serves its experts to the others."""
-    seed = _shared_seed(1)
+    seed = shared_seed(1)
     t = 37 * layer.rank
     hidden, idx, w = _inputs(layer, t, "uniform", seed)
     out = layer(hidden, idx, w)
     torch.cuda.synchronize()
     assert out.shape == (t, layer.spec.hidden_size)
-    _check(layer, hidden, idx, w, out, routing="uniform", seed=seed, case="unequal")
+    _check(case_log, layer, hidden, idx, w, out, routing="uniform", seed=seed, case="unequal")
 
 
-def test_bitwise_repeatable(layer):
+def test_bitwise_repeatable(layer, shared_seed, case_log):
     assert not layer.backend.knobs.fc2_in_kernel_topk_reduce  # the in-kernel reduce sums in arrival order
-    seed = _shared_seed(2)
+    seed = shared_seed(2)
     hidden, idx, w = _inputs(layer, 1000, "skewed", seed)
     outs = []
     for _ in range(3):
@@ -166,7 +136,7 @@ def test_bitwise_repeatable(layer):
         outs.append(o)
     torch.cuda.synchronize()
     same = all(torch.equal(outs[0].view(torch.int16), o.view(torch.int16)) for o in outs[1:])
-    log_case(suite="sm100", backend=layer.backend_name, geom=layer.geom, case="bitwise_repeat", runs=3,
+    case_log(suite="sm100", backend=layer.backend_name, geom=layer.geom, case="bitwise_repeat", runs=3,
              identical=same)
     assert same
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moe_ep
+from tests.support.gpu import case_log, dist_ctx  # noqa: F401 (pytest fixtures)
 
 GEOM = dict(hidden_size=2048, intermediate_size=768, num_experts=16, top_k=4, max_tokens_per_rank=128)
 
@@ -43,7 +44,7 @@ def test_autotune_then_cache_reuse(dist_ctx, tmp_path, case_log, monkeypatch):
              compiles=compile_cache.stats()["compiles"])
     layer.close()
     # A second process with the same key: cache hit, one compile.
-    code = ("import json, torch, sys; sys.path[:0] = %r; from sm90_autotune_test import _layer; "
+    code = ("import json, torch, sys; sys.path[:0] = %r; from autotune_gpu_test import _layer; "
             "import torch.distributed as dist; dist.init_process_group('cpu:gloo,cuda:nccl', rank=0, world_size=1,"
             " init_method='tcp://127.0.0.1:%d'); from shim.common import compile_cache; l = _layer('auto'); "
             "print(json.dumps(dict(source=l.backend.frontend.knob_source, knobs=l.backend.knobs.to_json(), "

@@ -6,7 +6,7 @@ GPUs: the suite exists to run on them, and a pass without running would say noth
 """
 import os
 
-from tools.launch.gpu_suite import run_suite
+from tools.launch.gpu import run_suite
 
 if __name__ == "__main__":
     raise SystemExit(run_suite("sm100", os.path.join(os.path.dirname(os.path.abspath(__file__)),

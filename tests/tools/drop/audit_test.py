@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.drop import synthetic
+from tests.tools.drop import synthetic
 from tools.drop import contract as contract_mod
 from tools.drop.audit import run_audit
 from tools.drop.inventory import inventory_of_tree

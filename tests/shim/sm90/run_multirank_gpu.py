@@ -4,8 +4,8 @@ Fails, never skips, when the host lacks the GPUs: the suite exists to run on the
 """
 import os
 
-from tools.launch.gpu_suite import run_suite
+from tools.launch.gpu import run_suite
 
 if __name__ == "__main__":
     raise SystemExit(run_suite("sm90", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                    "sm90_multirank_test.py")))
+                                                    "multirank_gpu_test.py")))

@@ -9,7 +9,7 @@ sum their top-k terms themselves, so the three share one launch path.
 import pytest
 import torch
 
-from tests.sm100.helpers import canonical_weights
+from tests.shim.sm100.helpers import canonical_weights
 
 pytestmark = pytest.mark.usefixtures("sm100_tree")
 

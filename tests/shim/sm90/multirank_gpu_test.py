@@ -24,6 +24,7 @@ import torch
 import moe_ep
 from moe_ep.reference.oracle import OUTPUT_TOLERANCE, check_multirank
 from moe_ep.testing.problems import unquantized_reference
+from tests.support.gpu import case_log, dist_ctx, shared_seed  # noqa: F401 (pytest fixtures)
 
 BACKENDS = {"sm90_fp8_cutedsl": ("fp8_block", 1e-2), "sm90_bf16_cutedsl": ("bf16", 5e-3)}
 GEOMS = {
@@ -65,19 +66,10 @@ def layer(request, dist_ctx):
     lay.close()
 
 
-def _fresh_seed():
-    """Fresh inputs every run, the same on every rank of this run (so routings are consistent), logged."""
-    import torch.distributed as dist
-
-    s = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1], dtype=torch.int64, device="cuda")
-    dist.broadcast(s, src=0)
-    return int(s.item()) + dist.get_rank()
-
-
 @pytest.mark.parametrize("skew", [False, True], ids=["balanced", "skewed"])
 @pytest.mark.parametrize("t", TOKENS)
-def test_matches_oracle(layer, t, skew, case_log):
-    seed = _fresh_seed()
+def test_matches_oracle(layer, t, skew, case_log, shared_seed):
+    seed = shared_seed(layer.rank)
     gen = torch.Generator().manual_seed(seed)
     dev = layer.device
     hidden = torch.randn(t, layer.spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
@@ -103,9 +95,9 @@ def test_matches_oracle(layer, t, skew, case_log):
     assert mine.rel_l2_err < layer.max_rel_l2, f"rel_l2 {mine.rel_l2_err:.3e} >= {layer.max_rel_l2}"
 
 
-def test_bitwise_repeatable(layer, case_log):
+def test_bitwise_repeatable(layer, case_log, shared_seed):
     assert not layer.backend.knobs.fc2_in_kernel_topk_reduce  # the in-kernel reduce sums in arrival order
-    gen = torch.Generator().manual_seed(_fresh_seed())
+    gen = torch.Generator().manual_seed(shared_seed(layer.rank))
     dev = layer.device
     t = 1000
     hidden = torch.randn(t, layer.spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
@@ -122,10 +114,10 @@ def test_bitwise_repeatable(layer, case_log):
     assert same
 
 
-def test_cuda_graph_replay_matches_eager(layer, case_log):
+def test_cuda_graph_replay_matches_eager(layer, case_log, shared_seed):
     dev = layer.device
     t = 128
-    gen = torch.Generator().manual_seed(_fresh_seed())
+    gen = torch.Generator().manual_seed(shared_seed(layer.rank))
     hidden = torch.randn(t, layer.spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
     idx, w = routing(t, layer.spec.num_experts, layer.spec.top_k, False, gen, dev)
     eager = torch.empty(t, layer.spec.hidden_size, dtype=torch.bfloat16, device=dev)
