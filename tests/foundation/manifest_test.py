@@ -67,6 +67,14 @@ def test_tree_is_byte_identical_to_manifest(tree):
     assert len(actual["files"]) > 0
 
 
+def test_fetch_checked_the_committed_manifest(tree):
+    """drop_repo.bzl checked the tree against a manifest at fetch time and wrote it to pinned.manifest.json
+    (the file the shim reads at run time): in this workspace that is the committed one."""
+    pinned = _tree_root(tree) / "pinned.manifest.json"
+    assert pinned.is_file(), f"{pinned} missing: drop_repo.bzl writes it, the BUILD file exports it"
+    assert manifest.load_manifest(pinned) == _committed(tree)
+
+
 def test_diff_names_every_kind_of_change():
     expected = {"files": {"a.py": "1", "b.py": "2", "c.py": "3"}}
     actual = {"files": {"a.py": "1", "b.py": "X", "d.py": "4"}}

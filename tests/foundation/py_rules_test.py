@@ -2,7 +2,9 @@
 
 That one file is what changes when rules_python replaces Bazel's built-in rules. Scans every
 BUILD / BUILD.bazel / *.BUILD / *.bzl file of the source tree (not only this test's inputs, so
-the test is tagged `external` and never cached).
+the test is tagged `external` and never cached), the downstream example workspace included.
+The BUILD files applied to the drops, the generated @moe_ep_python BUILD and an engine's BUILD
+files reach the same file as `@megamoe_ep//tools/bazel:py.bzl`.
 """
 
 import re
@@ -14,7 +16,7 @@ import pytest
 from tests.foundation import nested_bazel
 
 PY_RULES = ("py_library", "py_binary", "py_test", "py_runtime", "py_runtime_pair")
-THE_LABEL = ("//tools/bazel:py.bzl", "@//tools/bazel:py.bzl")
+THE_LABEL = ("//tools/bazel:py.bzl", "@//tools/bazel:py.bzl", "@megamoe_ep//tools/bazel:py.bzl")
 ALLOWED_NATIVE = {"tools/bazel/py.bzl"}
 SKIP_DIRS = {".git", ".dev", ".whl", ".drop", ".venv", "node_modules"}
 
@@ -74,6 +76,8 @@ def test_no_build_file_uses_native_python_rules():
         ('py_library(name = "x")', True),
         ('load("//tools/bazel:py.bzl", "py_library")\npy_library(name = "x")', False),
         ('load("@rules_python//python:defs.bzl", "py_test")\npy_test(name = "x")', True),
+        ('load("@megamoe_ep//tools/bazel:py.bzl", "py_test")\npy_test(name = "x")', False),
+        ('load("@other//tools/bazel:py.bzl", "py_test")\npy_test(name = "x")', True),
         ('native.py_binary(name = "x")', True),
         ('# py_test(name = "x") in a comment\n', False),
         ('load("//tools/bazel:py.bzl", "py_test")\npy_binary(name = "x")', True),

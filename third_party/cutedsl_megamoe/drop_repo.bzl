@@ -9,17 +9,29 @@ guarantees for a file that is resolved by pip instead of by URL:
      its own index configuration (pip.conf, PIP_* variables): no registry host is written here;
   2. hash the wheel and compare with the pin BEFORE anything is extracted; a mismatch fails the
      build and prints both hashes and the update recipe;
-  3. extract only `strip_prefix` (one kernel tree) as the repository root, add the BUILD file
-     from third_party/cutedsl_megamoe/ and `carrier.json` (what was fetched, for the tests).
+  3. extract only `strip_prefix` (one kernel tree) as the repository root;
+  4. check the tree against its per-file manifest (`manifest`, by default this repository's
+     third_party/cutedsl_megamoe/<tree>.manifest.json): the manifest must describe this very
+     carrier (its carrier_sha256 is the pin), and every extracted file must match it, no file
+     more, no file less (third_party/cutedsl_megamoe/manifest.py --tree-root --against, run
+     with the base python). A pin without a matching manifest fails and says how to make one;
+  5. add the BUILD file (sm90.BUILD / sm100.BUILD), `carrier.json` (what was fetched) and
+     `pinned.manifest.json` (the manifest's content: the shim checks the tree against it at
+     load time, so it travels with the tree into runfiles).
 
-The pins themselves live in workspace.bzl. The drop's files are never edited.
+The pins themselves live in workspace.bzl and reach this rule through megamoe_ep_repositories()
+(//:repositories.bzl), which lets a consumer pass its own. Every default label here is a Label()
+of this repository, so the rule works from any workspace. The drop's files are never edited.
 """
 
 CARRIER = "flashinfer-python"
 
 # Files this rule adds at the repository root. Everything else in the repository is the drop,
 # byte for byte; manifest.py leaves these out of the per-file manifest.
-ADDED_FILES = ["BUILD.bazel", "WORKSPACE", "carrier.json"]
+ADDED_FILES = ["BUILD.bazel", "WORKSPACE", "carrier.json", "pinned.manifest.json"]
+
+# The manifest format's one definition; run with the base python at fetch time.
+_MANIFEST_TOOL = Label("//third_party/cutedsl_megamoe:manifest.py")
 
 _RECIPE = """To take a new drop on purpose, update the pin and the manifest together:
   bazel run //tools:drop -- bump --tree {tree} --version NEW_VERSION
@@ -27,8 +39,27 @@ or by hand: set {tree_upper}_VERSION / {tree_upper}_SHA256 in third_party/cuteds
 (sha256 of the wheel: `python3 -m pip download --no-deps --only-binary=:all: {carrier}==NEW_VERSION -d /tmp/w
 && sha256sum /tmp/w/*.whl`), then `bazel run //third_party/cutedsl_megamoe:manifest -- --write {tree}`."""
 
+_MANIFEST_RECIPE = """Generate the manifest of this pin (it hashes every file of the pinned tree):
+  bazel run @megamoe_ep//tools:drop -- manifest --tree {tree} --version {version} --sha256 {sha256} --out <path>
+(from a megamoe-ep checkout: `bazel run //tools:drop -- manifest` with the same flags). Then pass the
+file to megamoe_ep_repositories(..., {tree}_manifest = "//<package>:<file>") next to the pin, or, in
+megamoe-ep itself, write it to third_party/cutedsl_megamoe/{tree}.manifest.json."""
+
 def _recipe(ctx):
     return _RECIPE.format(tree = ctx.attr.tree, tree_upper = ctx.attr.tree.upper(), carrier = CARRIER)
+
+def _manifest_recipe(ctx):
+    return _MANIFEST_RECIPE.format(tree = ctx.attr.tree, version = ctx.attr.version, sha256 = ctx.attr.sha256)
+
+def _manifest_label(ctx):
+    if ctx.attr.manifest:
+        return ctx.attr.manifest
+    return Label("//third_party/cutedsl_megamoe:%s.manifest.json" % ctx.attr.tree)
+
+def _build_file_label(ctx):
+    if ctx.attr.build_file:
+        return ctx.attr.build_file
+    return Label("//third_party/cutedsl_megamoe:%s.BUILD" % ctx.attr.tree)
 
 def _find_python(ctx):
     explicit = ctx.os.environ.get("MOE_EP_PYTHON")
@@ -68,6 +99,7 @@ def _fetch_carrier(ctx, carrier_zip):
     ctx.report_progress("pip download %s==%s" % (CARRIER, ctx.attr.version))
     python = _find_python(ctx)
     dest = ctx.path("_carrier")
+    # quiet = False: pip's lines reach Bazel's output (a log or CI, too: no progress bar).
     res = ctx.execute(
         [
             python,
@@ -78,11 +110,14 @@ def _fetch_carrier(ctx, carrier_zip):
             "--only-binary=:all:",
             "--no-input",
             "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
             "--dest",
             str(dest),
             "%s==%s" % (CARRIER, ctx.attr.version),
         ],
         timeout = 1800,
+        quiet = False,
     )
     if res.return_code != 0:
         fail("cutedsl_megamoe_drop(%s): `pip download %s==%s` failed (exit %d):\n%s\n%s" % (
@@ -131,6 +166,59 @@ different bytes under the same version. %s
     ctx.delete("_carrier")
     return "pip: " + wheels[0].basename
 
+def _check_manifest(ctx, carrier_sha256):
+    """Steps 4 and 5: the manifest describes this carrier and every extracted file. Returns its text."""
+    label = _manifest_label(ctx)
+    path = ctx.path(label)
+    text = ctx.read(path)
+    manifest = json.decode(text)
+    pinned_for = manifest.get("carrier_sha256")
+    if pinned_for != carrier_sha256:
+        fail("""
+================================================================================
+cutedsl_megamoe_drop(%s): NO MANIFEST FOR THIS PIN.
+  pin:      %s==%s, sha256 %s
+  manifest: %s describes %s==%s, sha256 %s
+Every drop tree is checked file by file against a manifest of that exact carrier.
+%s
+================================================================================""" % (
+            ctx.attr.tree,
+            CARRIER,
+            ctx.attr.version,
+            carrier_sha256,
+            label,
+            CARRIER,
+            manifest.get("version"),
+            pinned_for,
+            _manifest_recipe(ctx),
+        ))
+
+    ctx.report_progress("checking every file of the %s tree against %s" % (ctx.attr.tree, label))
+    res = ctx.execute(
+        [_find_python(ctx), ctx.path(_MANIFEST_TOOL), "--tree-root", ctx.path("."), "--against", path],
+        timeout = 600,
+    )
+    if res.return_code != 0:
+        fail("""
+================================================================================
+cutedsl_megamoe_drop(%s): THE EXTRACTED TREE DOES NOT MATCH ITS MANIFEST.
+  carrier:  %s==%s, sha256 %s (the hash matched the pin)
+  manifest: %s
+%s%s
+The drop is consumed verbatim. A manifest that does not describe the carrier it names is wrong:
+regenerate it from the pinned carrier. %s
+================================================================================""" % (
+            ctx.attr.tree,
+            CARRIER,
+            ctx.attr.version,
+            carrier_sha256,
+            label,
+            res.stdout,
+            res.stderr,
+            _manifest_recipe(ctx),
+        ))
+    return text
+
 def _cutedsl_megamoe_drop_impl(ctx):
     carrier_zip = "_carrier.zip"
     source = _fetch_carrier(ctx, carrier_zip)
@@ -159,7 +247,9 @@ def _cutedsl_megamoe_drop_impl(ctx):
                 name,
             ) + "overwrite it. Rename the rule's added files in drop_repo.bzl and manifest.py.")
 
-    ctx.template("BUILD.bazel", ctx.attr.build_file, executable = False)
+    manifest_text = _check_manifest(ctx, got)
+
+    ctx.template("BUILD.bazel", _build_file_label(ctx), executable = False)
     ctx.file("WORKSPACE", "workspace(name = \"%s\")\n" % ctx.name, executable = False)
     ctx.file("carrier.json", json.encode_indent({
         "carrier": CARRIER,
@@ -170,11 +260,20 @@ def _cutedsl_megamoe_drop_impl(ctx):
         "tree": ctx.attr.tree,
         "version": ctx.attr.version,
     }) + "\n", executable = False)
+    ctx.file("pinned.manifest.json", manifest_text, executable = False)
 
 cutedsl_megamoe_drop = repository_rule(
     implementation = _cutedsl_megamoe_drop_impl,
     attrs = {
-        "build_file": attr.label(mandatory = True, allow_single_file = True),
+        "build_file": attr.label(
+            allow_single_file = True,
+            doc = "BUILD file of the tree (default: this repository's third_party/cutedsl_megamoe/<tree>.BUILD)",
+        ),
+        "manifest": attr.label(
+            allow_single_file = True,
+            doc = "per-file manifest of the tree (default: this repository's " +
+                  "third_party/cutedsl_megamoe/<tree>.manifest.json); its carrier_sha256 must be the pin",
+        ),
         "sha256": attr.string(mandatory = True, doc = "sha256 of the carrier wheel"),
         "strip_prefix": attr.string(mandatory = True, doc = "the one sub-tree of the wheel to keep"),
         "tree": attr.string(mandatory = True, values = ["sm90", "sm100"]),

@@ -6,8 +6,9 @@ A manifest records one extracted tree byte for byte:
      "files": {"common/host_utils.py": "<sha256>", ...}}
 
 Paths are relative to the tree's src/ root, '/'-separated, sorted. The files that
-drop_repo.bzl adds to the Bazel repository (BUILD.bazel, WORKSPACE, carrier.json at the root)
-and Python byte-code caches are not part of the drop and are left out.
+drop_repo.bzl adds to the Bazel repository (BUILD.bazel, WORKSPACE, carrier.json,
+pinned.manifest.json at the root) and Python byte-code caches are not part of the drop and are
+left out.
 
 Library use (tools/drop reuses this; it is the one definition of the format):
 
@@ -19,6 +20,9 @@ Command line (via Bazel, which fetches and extracts the pinned trees first):
     bazel run //third_party/cutedsl_megamoe:manifest -- --write sm90 sm100
     bazel run //third_party/cutedsl_megamoe:manifest -- --check sm90
     python3 third_party/cutedsl_megamoe/manifest.py --tree-root PATH   # print a tree's manifest
+    python3 third_party/cutedsl_megamoe/manifest.py --tree-root PATH --against MANIFEST
+        # compare a tree with a manifest file: exit 1 and name every difference (drop_repo.bzl
+        # runs this at fetch time, with the base python: standard library only here)
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ __all__ = [
 ]
 
 # Files drop_repo.bzl writes at the repository root (keep in sync with ADDED_FILES there).
-ADDED_FILES = frozenset({"BUILD.bazel", "WORKSPACE", "carrier.json"})
+ADDED_FILES = frozenset({"BUILD.bazel", "WORKSPACE", "carrier.json", "pinned.manifest.json"})
 _SKIP_DIRS = frozenset({"__pycache__"})
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
@@ -175,8 +179,16 @@ def _main(argv=None) -> int:
     mode.add_argument("--write", action="store_true", help="rewrite <tree>.manifest.json in the workspace")
     mode.add_argument("--check", action="store_true", help="compare against the committed manifest")
     ap.add_argument("--tree-root", help="print the manifest of an extracted tree at this path")
+    ap.add_argument("--against", metavar="MANIFEST",
+                    help="with --tree-root: compare that tree with this manifest file (exit 1 on any difference)")
     args = ap.parse_args(argv)
 
+    if args.against:
+        if not args.tree_root:
+            ap.error("--against needs --tree-root")
+        diff = diff_manifest(load_manifest(args.against), compute_manifest(args.tree_root))
+        print(diff.describe(f"{args.tree_root} against {args.against}"))
+        return int(bool(diff))
     if args.tree_root:
         sys.stdout.write(dumps(compute_manifest(args.tree_root)))
         return 0

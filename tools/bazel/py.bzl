@@ -2,6 +2,9 @@
 
     load("//tools/bazel:py.bzl", "py_library", "py_binary", "py_test")
 
+From another workspace (an engine's): load("@megamoe_ep//tools/bazel:py.bzl", ...): the same rules,
+and the only way to get the legacy_create_init default below without a .bazelrc line.
+
 Today these wrap Bazel 4's built-in rules (rules_python is not reachable here). When rules_python
 becomes available, only this file changes. //tests/foundation:py_rules_test fails on any BUILD
 file that calls a native Python rule directly or loads one from elsewhere.
@@ -21,14 +24,20 @@ GPU_ARCHS = ["sm90", "sm100"]
 def py_library(**kwargs):
     native.py_library(**kwargs)
 
+# legacy_create_init = False: Bazel invents no __init__.py in runfiles, so the kernel trees stay
+# byte-identical to their manifests. This repo's .bazelrc says the same for every target
+# (--incompatible_default_to_explicit_init_py); the attribute makes it hold in a consumer's
+# workspace too, whatever its .bazelrc says.
 def py_binary(**kwargs):
     kwargs.setdefault("python_version", "PY3")
     kwargs.setdefault("srcs_version", "PY3")
+    kwargs.setdefault("legacy_create_init", False)
     native.py_binary(**kwargs)
 
 def py_test(**kwargs):
     kwargs.setdefault("python_version", "PY3")
     kwargs.setdefault("srcs_version", "PY3")
+    kwargs.setdefault("legacy_create_init", False)
     native.py_test(**kwargs)
 
 def py_runtime(**kwargs):
