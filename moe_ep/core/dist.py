@@ -63,23 +63,92 @@ class RankContext:
         return self.device
 
 
+class ProcessGroupEnvError(ProcessGroupError):
+    """init_from_env: a process-group environment variable is missing, partial or malformed.
+    ``argument`` names the variable; the message says what to set."""
+
+
 def init_from_env(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> RankContext:
-    """Join the default group from torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); gloo on
-    CPU, NCCL when MOE_EP_DEVICE=cuda. Idempotent."""
-    device_kind = os.environ.get("MOE_EP_DEVICE", "cpu")
-    if not dist.is_initialized():
-        if backend is None:
-            backend = "nccl" if device_kind == "cuda" else "gloo"
-        if timeout_s is None:
-            timeout_s = float(os.environ.get("MOE_EP_PG_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-        kwargs = {}
-        if backend == "nccl":
-            local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-            torch.cuda.set_device(local)
-            kwargs["device_id"] = torch.device("cuda", local)
-        dist.init_process_group(backend, init_method="env://", rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    """Join the default process group from torchrun-style environment variables; returns this rank's context.
+
+    RANK and WORLD_SIZE (with MASTER_ADDR and MASTER_PORT when WORLD_SIZE > 1; LOCAL_RANK picks the GPU) are
+    what torchrun sets. With neither RANK nor WORLD_SIZE set, this process is a group of its own: world size 1,
+    MASTER_ADDR (default 127.0.0.1) and MASTER_PORT (default: a free port) used without touching os.environ.
+    Anything partial or malformed raises ProcessGroupEnvError naming the variable and what to set.
+    gloo on CPU, NCCL when MOE_EP_DEVICE=cuda; MOE_EP_PG_TIMEOUT_S bounds every collective. Idempotent: an
+    already initialised default group is reused as it is."""
+    env = os.environ
+
+    def bad(var: str, what: str) -> ProcessGroupEnvError:
+        shown = f"{var}={env[var]!r}" if var in env else f"{var} is not set"
+        return ProcessGroupEnvError(var, f"{shown}: {what}")
+
+    def integer(var: str, lo: int, hi: Optional[int], what: str) -> int:
+        try:
+            value = int(env[var].strip())
+        except ValueError:
+            raise bad(var, f"expected an integer, {what}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise bad(var, f"out of range, {what}")
+        return value
+
+    device_kind = env.get("MOE_EP_DEVICE", "cpu").strip().lower() or "cpu"
+    if device_kind not in ("cpu", "cuda"):
+        raise bad("MOE_EP_DEVICE", "set it to 'cpu' (gloo, the default) or 'cuda' (NCCL)")
+    if dist.is_available() and dist.is_initialized():
+        return RankContext.from_group(None, "cuda" if device_kind == "cuda" else "cpu")
+
+    has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
+    if has_rank != has_world:
+        missing, given = ("WORLD_SIZE", "RANK") if has_rank else ("RANK", "WORLD_SIZE")
+        raise bad(missing, f"{given} is set, so set {missing} too (RANK in [0, WORLD_SIZE), as torchrun does), "
+                           f"or unset both for a single process (world size 1)")
+    if has_world:
+        world = integer("WORLD_SIZE", 1, None, "set WORLD_SIZE to the number of ranks (>= 1)")
+        rank = integer("RANK", 0, world - 1, f"set RANK to this process's rank in [0, {world}) (WORLD_SIZE={world})")
+    else:
+        world, rank = 1, 0
+
+    if world > 1:
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if not env.get(var, "").strip():
+                raise bad(var, f"WORLD_SIZE={world} needs MASTER_ADDR (the address of rank 0) and MASTER_PORT "
+                               "(a free port there), the same on every rank, as torchrun sets them")
+    addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    if env.get("MASTER_PORT", "").strip():
+        port = integer("MASTER_PORT", 1, 65535, "set MASTER_PORT to a free TCP port (1-65535)")
+    else:
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((addr if addr in ("127.0.0.1", "localhost") else "", 0))
+            port = s.getsockname()[1]
+
+    if timeout_s is None:
+        if env.get("MOE_EP_PG_TIMEOUT_S", "").strip():
+            try:
+                timeout_s = float(env["MOE_EP_PG_TIMEOUT_S"])
+            except ValueError:
+                raise bad("MOE_EP_PG_TIMEOUT_S", "expected seconds (a number > 0)") from None
+        else:
+            timeout_s = DEFAULT_TIMEOUT_S
+    if not timeout_s > 0:
+        raise ProcessGroupEnvError("timeout_s", f"expected seconds > 0, got {timeout_s!r} "
+                                                "(argument or MOE_EP_PG_TIMEOUT_S)")
+
+    if backend is None:
+        backend = "nccl" if device_kind == "cuda" else "gloo"
+    kwargs = {}
+    if backend == "nccl":
+        if "LOCAL_RANK" in env:
+            local = integer("LOCAL_RANK", 0, None, "set LOCAL_RANK to this process's GPU index on its host")
+        else:
+            local = rank
+        torch.cuda.set_device(local)
+        kwargs["device_id"] = torch.device("cuda", local)
+    host = f"[{addr}]" if ":" in addr else addr
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     return RankContext.from_group(None, "cuda" if device_kind == "cuda" else "cpu")
 
 
