@@ -14,21 +14,22 @@ from moe_ep.core.dist import RankContext, init_from_env
 from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, CalibrationError, CapacityError,
                                 DeviceError, DTypeError, ExpertIndexError, FormatError, InputError, MoEError,
                                 NonContiguousError, OracleMismatchError, PeerValidationError, ProcessGroupError,
-                                ShapeError, SpecError, TopKMismatchError, WeightsRankError, WorldSizeError)
-from moe_ep.core.formats import FORMATS
+                                ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
+                                KnobError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.layer import MoELayer
 from moe_ep.core.registry import (BackendInfo, detect_arch, list_backends, register_backend, select_backend,
                                   unregister_backend)
 from moe_ep.core.spec import MoESpec
-from moe_ep.core.weights import ExpertWeights, QuantizedWeights
+from moe_ep.core.weights import ExpertWeights
+from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights
 
 __all__ = [
-    "MoESpec", "ExpertWeights", "QuantizedWeights", "MoELayer", "Backend", "RankContext", "init_from_env",
+    "MoESpec", "ExpertWeights", "QuantizedWeights", "QuantizedActivation", "MoELayer", "Backend", "RankContext", "init_from_env",
     "FORMATS", "BackendInfo", "list_backends", "register_backend", "unregister_backend", "select_backend",
     "detect_arch",
     "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError", "NonContiguousError",
     "ExpertIndexError", "CapacityError", "SpecError", "FormatError", "CalibrationError", "WorldSizeError",
     "WeightsRankError", "ProcessGroupError", "PeerValidationError", "BackendNotFoundError",
-    "BackendUnavailableError", "OracleMismatchError",
+    "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
 ]

@@ -8,9 +8,9 @@ from typing import ClassVar, List, Optional, Tuple
 import torch
 
 from moe_ep.core.dist import RankContext
-from moe_ep.core.formats import FORMATS, format_violations
 from moe_ep.core.spec import MoESpec
-from moe_ep.core.weights import ExpertWeights, QuantizedWeights
+from moe_ep.core.weights import ExpertWeights
+from moe_ep.formats import FORMATS, QuantizedWeights, format_violations
 
 __all__ = ["Backend"]
 
@@ -60,7 +60,7 @@ class Backend:
         raise NotImplementedError
 
     def staged_activation(self):
-        """The quantized FC1 input of the last forward (a moe_ep.reference.quant.QuantizedActivation), or
+        """The quantized FC1 input of the last forward (a moe_ep.reference.packs.QuantizedActivation), or
         None if the backend does not keep it; the oracle then quantizes the bf16 input itself."""
         return None
 

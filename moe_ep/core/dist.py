@@ -58,6 +58,12 @@ class RankContext:
             raise ProcessGroupError("device", f"a gloo group serves CPU tensors here, got device {device}")
         return cls(rank, world, group, device, backend)
 
+    @classmethod
+    def detached(cls, rank: int = 0, world_size: int = 1, device="cpu") -> "RankContext":
+        """A rank's place with no process group: what a compile-only kernel build (CPU, no GPU) or a tool
+        needs to describe rank `rank` of `world_size` without joining anything. Collectives refuse it."""
+        return cls(rank, world_size, None, torch.device(device), "none")
+
     @property
     def comm_device(self) -> torch.device:
         return self.device

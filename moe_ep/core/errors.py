@@ -14,7 +14,7 @@ __all__ = [
     "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError",
     "NonContiguousError", "ExpertIndexError", "CapacityError", "SpecError", "FormatError",
     "CalibrationError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
-    "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError",
+    "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
 ]
 
 
@@ -117,3 +117,17 @@ class BackendUnavailableError(MoEError, RuntimeError):
 
 class OracleMismatchError(MoEError, AssertionError):
     """A backend's output or weights disagree with the torch oracle beyond the format's tolerance."""
+
+
+class KnobError(MoEError, ValueError):
+    """A kernel knob set that cannot be built: an unknown knob, a value outside what the kernel accepts, or a
+    combination its constructor rejects. Raised before any compile; ``argument`` names the knob."""
+
+
+class TuningError(MoEError, RuntimeError):
+    """A collective autotune could not pick a winner: ranks were given different candidate lists, or every
+    candidate failed on some rank (``reasons`` maps candidate index -> this rank's error)."""
+
+    def __init__(self, argument: Optional[str], message: str, reasons=None):
+        self.reasons = dict(reasons or {})
+        super().__init__(argument, message)

@@ -9,10 +9,10 @@ import torch
 from moe_ep.core import registry
 from moe_ep.core.dist import RankContext, run_agreed
 from moe_ep.core.errors import DTypeError, FormatError
-from moe_ep.core.formats import check_format
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.validate import validate_forward, validate_spec_for_backend, validate_weights
-from moe_ep.core.weights import ExpertWeights, QuantizedWeights
+from moe_ep.core.weights import ExpertWeights
+from moe_ep.formats import QuantizedWeights, check_format
 
 __all__ = ["MoELayer"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 from moe_ep.core.errors import BackendNotFoundError, BackendUnavailableError, FormatError
-from moe_ep.core.formats import check_format
+from moe_ep.formats import check_format
 
 __all__ = ["BackendEntry", "BackendInfo", "register_backend", "unregister_backend", "get_entry", "resolve_backend",
            "list_backends", "select_backend", "detect_arch"]
@@ -145,17 +145,17 @@ def _register_builtin() -> None:
     register_backend("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
                      formats=("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4"),
                      description="exact EP semantics in torch over torch.distributed; the oracle")
-    # Kernel backends: modules written against shim/; registered lazily so a CPU host never imports them.
-    register_backend("sm90_fp8_cutedsl", "moe_ep.backends.sm90_fp8:Sm90Fp8Backend", arch="sm90",
+    # Kernel backends live beside the shim that drives them; named here by lazy strings only, so moe_ep imports
+    # nothing of shim/ and a CPU host never loads a kernel tree.
+    register_backend("sm90_fp8_cutedsl", "shim.sm90.backend:Sm90Fp8Backend", arch="sm90",
                      formats=("fp8_block",), description="Hopper FP8 MegaMoE, blockwise scales (CuTe DSL)")
-    register_backend("sm90_bf16_cutedsl", "moe_ep.backends.sm90_bf16:Sm90Bf16Backend", arch="sm90",
+    register_backend("sm90_bf16_cutedsl", "shim.sm90.backend:Sm90Bf16Backend", arch="sm90",
                      formats=("bf16",), description="Hopper BF16 MegaMoE (CuTe DSL)")
-    register_backend("sm100_nvfp4_cutedsl", "moe_ep.backends.sm100_nvfp4:Sm100Nvfp4Backend", arch="sm100",
+    register_backend("sm100_nvfp4_cutedsl", "shim.sm100.backend:Sm100Nvfp4Backend", arch="sm100",
                      formats=("nvfp4",), description="Blackwell NVFP4 MegaMoE (CuTe DSL)")
-    register_backend("sm100_mxfp8_cutedsl", "moe_ep.backends.sm100_mxfp8:Sm100Mxfp8Backend", arch="sm100",
+    register_backend("sm100_mxfp8_cutedsl", "shim.sm100.backend:Sm100Mxfp8Backend", arch="sm100",
                      formats=("mxfp8",), description="Blackwell MXFP8 MegaMoE (CuTe DSL)")
-    register_backend("sm100_bf16_cutedsl", "moe_ep.backends.sm100_bf16:Sm100Bf16Backend", arch="sm100",
+    register_backend("sm100_bf16_cutedsl", "shim.sm100.backend:Sm100Bf16Backend", arch="sm100",
                      formats=("bf16",), description="Blackwell BF16 MegaMoE (CuTe DSL)")
-
 
 _register_builtin()

@@ -8,7 +8,7 @@ import torch
 from moe_ep.core.dist import RankContext
 from moe_ep.core.errors import (CapacityError, DeviceError, DTypeError, NonContiguousError, ExpertIndexError,
                                 ShapeError, SpecError, TopKMismatchError, WeightsRankError, WorldSizeError)
-from moe_ep.core.formats import format_info
+from moe_ep.formats import format_info
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
 

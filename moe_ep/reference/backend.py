@@ -13,25 +13,11 @@ import torch
 
 from moe_ep.core.backend import Backend
 from moe_ep.core.dist import all_to_all_rows
-from moe_ep.core.weights import ExpertWeights, QuantizedWeights
-from moe_ep.reference import quant
-from moe_ep.reference.quant import QuantizedActivation
+from moe_ep.core.weights import ExpertWeights
+from moe_ep.formats import QuantizedActivation, QuantizedWeights, packs
+from moe_ep.reference import ffn
 
-__all__ = ["TorchReferenceBackend", "combine_terms"]
-
-
-def combine_terms(terms: torch.Tensor, topk_weights: torch.Tensor, weighted: bool) -> torch.Tensor:
-    """terms [T, K, H] (bf16 values) -> [T, H] bf16: fp32 sum in slot order, as the kernels' top-k reduce.
-    weighted=True means the routing weights are already inside the terms."""
-    t, k, h = terms.shape
-    acc = torch.zeros((t, h), dtype=torch.float32, device=terms.device)
-    terms = terms.to(torch.float32)
-    for j in range(k):
-        if weighted:
-            acc = acc + terms[:, j, :]
-        else:
-            acc = torch.addcmul(acc, terms[:, j, :], topk_weights[:, j].to(torch.float32).unsqueeze(-1))
-    return acc.to(torch.bfloat16)
+__all__ = ["TorchReferenceBackend"]
 
 
 class TorchReferenceBackend(Backend):
@@ -53,7 +39,7 @@ class TorchReferenceBackend(Backend):
 
     def prepare_weights(self, weights: ExpertWeights) -> None:
         dev = self.ctx.device
-        self._qw = quant.quantize_weights(self.fmt, weights.w13.to(dev), weights.w2.to(dev),
+        self._qw = packs.quantize_weights(self.fmt, weights.w13.to(dev), weights.w2.to(dev),
                                           act_amax=weights.act_amax, fc2_act_amax=weights.fc2_act_amax,
                                           expert_offset=weights.expert_offset)
 
@@ -74,7 +60,7 @@ class TorchReferenceBackend(Backend):
             sel = (local_expert == e).nonzero().squeeze(1)
             if sel.numel() == 0:
                 continue
-            y = quant.expert_ffn(qw, e, act.rows(sel), weights[sel], self.spec.gate_up_clamp, self._apply_topk)
+            y = ffn.expert_ffn(qw, e, act.rows(sel), weights[sel], self.spec.gate_up_clamp, self._apply_topk)
             terms[sel] = y.to(torch.bfloat16)
         return terms
 
@@ -82,7 +68,7 @@ class TorchReferenceBackend(Backend):
         spec, ctx, qw = self.spec, self.ctx, self._qw
         t, k = topk_idx.shape
         e_local = spec.num_experts // ctx.world_size
-        act = quant.quantize_input(qw, hidden)
+        act = packs.quantize_input(qw, hidden)
         self._staged = act if self._keep_staged else None
 
         idx = topk_idx.reshape(-1).to(torch.int64)
@@ -101,7 +87,7 @@ class TorchReferenceBackend(Backend):
         (back,), _ = all_to_all_rows(ctx, [terms], recv_counts)
         per_pair = torch.empty((t * k, spec.hidden_size), dtype=torch.bfloat16, device=hidden.device)
         per_pair[order] = back
-        out.copy_(combine_terms(per_pair.view(t, k, spec.hidden_size), topk_weights, self._apply_topk))
+        out.copy_(ffn.combine_terms(per_pair.view(t, k, spec.hidden_size), topk_weights, self._apply_topk))
         return out
 
     def close(self) -> None:

@@ -19,10 +19,9 @@ import torch.distributed as dist
 
 from moe_ep.core.dist import RankContext, all_gather_tensor
 from moe_ep.core.errors import OracleMismatchError
-from moe_ep.core.weights import ExpertWeights, QuantizedWeights
-from moe_ep.reference import quant
-from moe_ep.reference.backend import combine_terms
-from moe_ep.reference.quant import QuantizedActivation
+from moe_ep.core.weights import ExpertWeights
+from moe_ep.formats import QuantizedActivation, QuantizedWeights, packs
+from moe_ep.reference import ffn
 
 __all__ = ["OUTPUT_TOLERANCE", "WEIGHT_TOLERANCE", "oracle_forward", "gather_quantized_weights", "compare",
            "RankCheck", "OracleReport", "check_multirank"]
@@ -54,7 +53,7 @@ def oracle_forward(qw: QuantizedWeights, hidden, topk_idx: torch.Tensor, topk_we
                    gate_up_clamp: Optional[float] = None, apply_topk_in_fc1: bool = True) -> torch.Tensor:
     """Single-process MoE forward: hidden (bf16 [T, H], or the QuantizedActivation a backend staged) routed
     over qw's experts (global ids from qw.expert_offset) -> [T, H] bf16."""
-    act = hidden if isinstance(hidden, QuantizedActivation) else quant.quantize_input(qw, hidden)
+    act = hidden if isinstance(hidden, QuantizedActivation) else packs.quantize_input(qw, hidden)
     t, k = topk_idx.shape
     h = qw.hidden_size
     terms = torch.zeros((t, k, h), dtype=torch.bfloat16, device=act.q.device)
@@ -66,10 +65,10 @@ def oracle_forward(qw: QuantizedWeights, hidden, topk_idx: torch.Tensor, topk_we
             if not 0 <= local < qw.num_experts:
                 raise ValueError(f"expert {e} is not in the oracle's weights "
                                  f"[{qw.expert_offset}, {qw.expert_offset + qw.num_experts})")
-            y = quant.expert_ffn(qw, local, act.rows(tok), topk_weights[tok, slot], gate_up_clamp,
+            y = ffn.expert_ffn(qw, local, act.rows(tok), topk_weights[tok, slot], gate_up_clamp,
                                  apply_topk_in_fc1)
             terms[tok, slot] = y.to(torch.bfloat16)
-    return combine_terms(terms, topk_weights, apply_topk_in_fc1)
+    return ffn.combine_terms(terms, topk_weights, apply_topk_in_fc1)
 
 
 def gather_quantized_weights(ctx: RankContext, qw: QuantizedWeights) -> QuantizedWeights:
@@ -201,9 +200,9 @@ def check_multirank(layer, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_we
     act = backend.staged_activation()
     act_err = 0.0
     if qw_all is not None and act is not None and hidden.shape[0] > 0:
-        mine = quant.quantize_input(qw_all, hidden)
-        a = quant.dequantize_input(qw_all, act)
-        b = quant.dequantize_input(qw_all, mine)
+        mine = packs.quantize_input(qw_all, hidden)
+        a = packs.dequantize_input(qw_all, act)
+        b = packs.dequantize_input(qw_all, mine)
         act_err = float((a - b).norm() / b.norm().clamp(min=1e-30))
         if act_err > OUTPUT_TOLERANCE[fmt]:
             problems.append(f"staged activations differ from the format's quantization of hidden by {act_err:.3g}")

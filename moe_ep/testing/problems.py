@@ -10,7 +10,8 @@ import torch
 
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
-from moe_ep.reference import quant
+from moe_ep.formats import packs
+from moe_ep.reference import ffn
 
 __all__ = ["ROUTINGS", "Problem", "make_routing", "unquantized_reference"]
 
@@ -46,7 +47,7 @@ def make_routing(kind: str, tokens: int, num_experts: int, top_k: int, world_siz
             scores[hot, block] += 2.0
         elif kind == "no_local":
             if num_experts - e_local < top_k:
-                raise ValueError(f"no_local routing needs num_experts - experts_per_rank >= top_k")
+                raise ValueError("no_local routing needs num_experts - experts_per_rank >= top_k")
             scores[:, rank * e_local:(rank + 1) * e_local] = -1.0
         elif kind != "uniform":
             raise ValueError(f"routing must be one of {ROUTINGS}, got {kind!r}")
@@ -99,7 +100,7 @@ class Problem:
         """(act_amax, fc2_act_amax) over every rank's tokens with bf16 math: what an offline calibration pass
         would record. Needs every expert's weights: meant for test-sized problems."""
         w13, w2 = self.global_weights()
-        qw = quant.quantize_weights("bf16", w13, w2)
+        qw = packs.quantize_weights("bf16", w13, w2)
         act_amax, fc2_amax = 0.0, 0.0
         for r in range(self.world_size):
             hidden, idx, w = self.inputs(r)
@@ -109,7 +110,7 @@ class Problem:
             for e in torch.unique(idx).tolist():
                 tok, slot = (idx == e).nonzero(as_tuple=True)
                 fc1 = hidden[tok].float() @ qw.w13_q[e].float().t()
-                y = quant.swiglu(fc1, self.spec.gate_up_clamp) * w[tok, slot].unsqueeze(1)
+                y = ffn.swiglu(fc1, self.spec.gate_up_clamp) * w[tok, slot].unsqueeze(1)
                 fc2_amax = max(fc2_amax, float(y.abs().max()))
         return act_amax * margin or 1.0, fc2_amax * margin or 1.0
 

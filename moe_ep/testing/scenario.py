@@ -14,7 +14,7 @@ import torch.distributed as dist
 from moe_ep.core import registry
 from moe_ep.core.dist import RankContext, init_from_env
 from moe_ep.core.errors import MoEError
-from moe_ep.core.formats import format_info
+from moe_ep.formats import format_info
 from moe_ep.core.layer import MoELayer
 from moe_ep.core.spec import MoESpec
 from moe_ep.reference.oracle import check_multirank

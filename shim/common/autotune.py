@@ -19,14 +19,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence
 
+from moe_ep.core.errors import TuningError
+
 __all__ = ["AutotuneResult", "CandidateMismatchError", "NoViableCandidateError", "collective_autotune"]
 
 
-class CandidateMismatchError(RuntimeError):
+class CandidateMismatchError(TuningError):
     """Ranks were given different candidate lists; the collective would compare unlike things."""
 
 
-class NoViableCandidateError(RuntimeError):
+class NoViableCandidateError(TuningError):
     """Every candidate failed on at least one rank."""
 
 
@@ -66,7 +68,7 @@ def collective_autotune(candidates: Sequence[Any], time_candidate: Callable[[Any
     import torch.distributed as dist
 
     if not candidates:
-        raise ValueError("candidates must not be empty")
+        raise TuningError("candidates", "the candidate list is empty")
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
     out = out or sys.stderr
@@ -76,7 +78,7 @@ def collective_autotune(candidates: Sequence[Any], time_candidate: Callable[[Any
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
         if not torch.equal(lo, hi):
-            raise CandidateMismatchError("ranks were given different autotune candidate lists")
+            raise CandidateMismatchError("knobs", "ranks were given different autotune candidate lists")
     started = time.perf_counter()
     medians: List[float] = []
     errors: List[Optional[str]] = []
@@ -99,6 +101,7 @@ def collective_autotune(candidates: Sequence[Any], time_candidate: Callable[[Any
     best = min(range(len(score_list)), key=lambda j: (score_list[j], j))
     if not math.isfinite(score_list[best]):
         raise NoViableCandidateError(
-            "every autotune candidate failed on some rank; this rank's errors: "
-            + "; ".join(f"#{j}: {e}" for j, e in enumerate(errors) if e))
+            "knobs", "every autotune candidate failed on some rank; this rank's errors: "
+            + "; ".join(f"#{j}: {e}" for j, e in enumerate(errors) if e),
+            reasons={j: e for j, e in enumerate(errors) if e})
     return AutotuneResult(best, candidates[best], score_list, medians, errors, time.perf_counter() - started)

@@ -1,16 +1,15 @@
 """What every MegaMoE frontend does, whatever the tree and the data format.
 
-A frontend owns one workspace: the kernel object (built from resolved knobs),
-its local and shared workspaces, the peer-read input buffers on the NVSHMEM heap,
-one compiled kernel (shared process-wide by compile key) and the forward launch.
-Subclasses say which kernel class and constructor arguments, which input buffers
-and how to fill them from bf16 activations, and how weights are laid out.
+A frontend drives one kernel for one layer: it is built from the layer's MoESpec, its rank context and a
+knob set resolved beforehand (shim/common/backend.py), builds the kernel object, owns the buffers the kernel
+reads and writes, compiles once (process-wide cache by compile key) and launches. Format frontends say which
+kernel class and constructor arguments, which peer-read input buffers and how to stage bf16 activations into
+them, and how weights are laid out (shim/<arch>/<format>_frontend.py). The layer has validated every input
+and the spec (shim/<arch>/limits.py) before a frontend sees them, so frontends do not check them again.
 
-Launch policy below capacity (measured on an H200 with the Hopper FP8 kernel,
-drop 0.7.2.post1; see docs/shim.md): inputs are passed capacity-sized, spare
-rows carrying expert id -1, which dispatch skips; the top-k reduce covers only
-the T real rows. A rank with T = 0 thus still joins the kernel's cross-rank
-barriers.
+Launch policy below capacity (measured on an H200 with the Hopper FP8 kernel, drop 0.7.2.post1; see
+docs/shim.md): inputs are passed capacity-sized, spare rows carrying expert id -1, which dispatch skips; the
+top-k reduce covers only the T real rows. A rank with T = 0 thus still joins the kernel's cross-rank barriers.
 """
 
 from __future__ import annotations
@@ -19,37 +18,33 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from moe_ep.core.dist import RankContext
+from moe_ep.core.spec import MoESpec
+from moe_ep.formats import QuantizedActivation
 from shim.common import compile_cache
 from shim.common.cute_args import ArgBuilder
 
-__all__ = ["MegaMoEFrontend", "H200_SM_COUNT"]
-
-H200_SM_COUNT = 132
+__all__ = ["MegaMoEFrontend"]
 
 
 class MegaMoEFrontend:
     arch = ""  # "sm90" / "sm100"
     fmt = ""  # moe_ep format name
+    # SMs of the part a compile-only build (no GPU to ask) assumes when sizing the persistent grid.
+    compile_only_sm_count = 0
 
-    def __init__(self, *, hidden: int, intermediate: int, experts_per_rank: int, top_k: int, capacity: int,
-                 rank: int = 0, world_size: int = 1, group=None, device=None, knobs=None,
-                 gate_up_clamp: Optional[float] = None, knob_cache_key: str = "", compile_only: bool = False,
+    def __init__(self, spec: MoESpec, ctx: RankContext, knobs, *, compile_only: bool = False,
                  max_active_clusters: Optional[int] = None):
-        self.hidden, self.intermediate, self.experts_per_rank = hidden, intermediate, experts_per_rank
-        self.top_k, self.capacity, self.rank, self.world_size = top_k, capacity, rank, world_size
-        self.gate_up_clamp, self.compile_only, self.group = gate_up_clamp, compile_only, group
-        self.device = torch.device("cpu") if compile_only else torch.device(device or "cuda")
+        self.spec, self.ctx, self.knobs, self.compile_only = spec, ctx, knobs, compile_only
+        self.device = torch.device("cpu") if compile_only else ctx.device
         if not compile_only:
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             # cutlass's HardwareInfo queries the driver directly: make sure the primary context exists.
             torch.empty(1, device=self.device)
-        self.knobs, self.knob_source = self.resolve_knobs(knobs, knob_cache_key)
         if max_active_clusters is None:
             cluster = self.knobs.cluster_shape_mnk[0] * self.knobs.cluster_shape_mnk[1]
             if compile_only:
-                max_active_clusters = H200_SM_COUNT // cluster
+                max_active_clusters = self.compile_only_sm_count // cluster
             else:
                 import cutlass.utils as cutlass_utils
 
@@ -67,10 +62,40 @@ class MegaMoEFrontend:
         self.compiled_from_cache = False
         self._alloc()
 
-    # -- subclass hooks ------------------------------------------------------------------------------------
-    def resolve_knobs(self, knobs, cache_key: str):
-        raise NotImplementedError
+    # -- the geometry, read from the spec and the rank context (one value each, named as MoESpec names it) --
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
 
+    @property
+    def intermediate_size(self) -> int:
+        return self.spec.intermediate_size
+
+    @property
+    def top_k(self) -> int:
+        return self.spec.top_k
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        return self.spec.max_tokens_per_rank
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.spec.num_experts // self.ctx.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    def static_expert_shape(self) -> Tuple[int, int, int]:
+        """(E_local, FC1's N = 2I, H): the drop's `intermediate` is FC1's N, the down projection's K is I."""
+        return self.experts_per_rank, 2 * self.intermediate_size, self.hidden_size
+
+    # -- subclass hooks ------------------------------------------------------------------------------------
     def build_kernel(self, knobs):
         raise NotImplementedError
 
@@ -81,7 +106,16 @@ class MegaMoEFrontend:
     def stage_activations(self, x: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def prepare_weights(self, w13: torch.Tensor, w2: torch.Tensor):
+    def staged_activation(self, t: int) -> QuantizedActivation:
+        """The FC1 input the kernel read in the last forward over t tokens (for the oracle)."""
+        raise NotImplementedError
+
+    def prepare_weights(self, weights):
+        """moe_ep.ExpertWeights -> this format's kernel weights (shim/<arch>/weights.py)."""
+        raise NotImplementedError
+
+    def placeholder_weights(self):
+        """Zero weights of the kernel's shapes and dtypes: what a compile without real weights is given."""
         raise NotImplementedError
 
     def weight_args(self, b: ArgBuilder, w) -> Dict[str, Any]:
@@ -90,13 +124,19 @@ class MegaMoEFrontend:
     def activation_args(self, b: ArgBuilder, rows: int) -> Dict[str, Any]:
         raise NotImplementedError
 
+    def output_args(self, b: ArgBuilder, out: torch.Tensor) -> Dict[str, Any]:
+        return dict(output_activation=b.tensor(out))
+
+    def workspace_args(self, b: ArgBuilder) -> Dict[str, Any]:
+        return dict(local_workspace=b.byte_ptr(self.local_ws), shared_workspace=b.byte_ptr(self.shared_ws))
+
     def symbols(self):
         """The tree's kernel_symbols module (for SymBufferHost)."""
         raise NotImplementedError
 
     # -- buffers -------------------------------------------------------------------------------------------
     def _alloc(self) -> None:
-        c, h, k, dev = self.capacity, self.hidden, self.top_k, self.device
+        c, h, k, dev = self.max_tokens_per_rank, self.hidden_size, self.top_k, self.device
         local_bytes, shared_bytes = self.kernel.get_workspace_sizes()
         if self.compile_only:
             alloc = lambda shape, dt: torch.zeros(shape, dtype=dt)  # noqa: E731
@@ -105,7 +145,7 @@ class MegaMoEFrontend:
         else:
             from shim.common.symmetric import SymmetricHeap
 
-            self._heap = SymmetricHeap(group=self.group, rank=self.rank, world_size=self.world_size, device=dev)
+            self._heap = SymmetricHeap(group=self.ctx.group, rank=self.rank, world_size=self.world_size, device=dev)
             alloc = self._heap.zeros
             # First on the heap: its base anchors the peer-offset table for every later allocation.
             self.shared_ws = alloc((shared_bytes,), torch.uint8)
@@ -123,12 +163,17 @@ class MegaMoEFrontend:
         self.out_buf = local((c, h), torch.bfloat16) if self.sym_out is None else self.sym_out
         self.x_in = local((c, h), torch.bfloat16)  # the graphs' static input
 
-    def load_weights(self, w13: torch.Tensor, w2: torch.Tensor):
-        e, i, h = self.experts_per_rank, self.intermediate, self.hidden
-        if tuple(w13.shape) != (e, 2 * i, h) or tuple(w2.shape) != (e, h, i):
-            raise ValueError(f"expected w13 {(e, 2 * i, h)} and w2 {(e, h, i)}, got {tuple(w13.shape)} and "
-                             f"{tuple(w2.shape)}")
-        self._weights = self.prepare_weights(w13, w2)
+    def symmetric_bytes(self) -> int:
+        """Bytes this workspace holds on the NVSHMEM heap (every rank the same)."""
+        names = ["shared_ws", "topk_w"] + [n for n, _, _ in self.input_buffers()]
+        total = sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+        if self.sym_out is not None:
+            total += self.sym_out.numel() * self.sym_out.element_size()
+        return total
+
+    def load_weights(self, weights):
+        """Lay out a moe_ep.ExpertWeights (validated by the layer) for the kernel; returns the kernel weights."""
+        self._weights = self.prepare_weights(weights)
         self._args_cache.clear()
         self._graphs.clear()
         return self._weights
@@ -138,24 +183,24 @@ class MegaMoEFrontend:
         return self._weights
 
     # -- compile -------------------------------------------------------------------------------------------
+    def _mapper(self):
+        return self.symbols().SymBufferHost(base_addr=self.peer_base, offsets=tuple(self.peer_offsets),
+                                            rank_idx=self.rank, num_max_ranks=self.world_size)
+
     def _runtime_args(self, b: ArgBuilder, rows: int, out: torch.Tensor) -> dict:
         """Kernel arguments for a launch over the first `rows` staged rows, writing `out`."""
         if self._weights is None:
-            e, i, h = self.experts_per_rank, self.intermediate, self.hidden
-            self._weights = self.prepare_weights(torch.zeros((e, 2 * i, h), dtype=torch.bfloat16),
-                                                 torch.zeros((e, h, i), dtype=torch.bfloat16))
-        mapper = self.symbols().SymBufferHost(base_addr=self.peer_base, offsets=tuple(self.peer_offsets),
-                                              rank_idx=self.rank, num_max_ranks=self.world_size)
+            self._weights = self.placeholder_weights()
         args = self.activation_args(b, rows)
         args.update(topk_idx=b.tensor(self.topk_idx[:rows]), topk_weights=b.tensor(self.topk_w[:rows]))
         args.update(self.weight_args(b, self._weights))
-        args.update(fc1_c=None, output_activation=b.tensor(out), local_workspace=b.byte_ptr(self.local_ws),
-                    shared_workspace=b.byte_ptr(self.shared_ws), peer_rank_ptr_mapper_host=mapper, stream=b.stream())
+        args.update(self.output_args(b, out))
+        args.update(self.workspace_args(b))
+        args.update(peer_rank_ptr_mapper_host=self._mapper(), stream=b.stream())
         return args
 
     def compile_key(self) -> tuple:
-        return (self.arch, self.fmt, type(self.kernel).__name__, self.knobs, self.hidden, self.intermediate,
-                self.experts_per_rank, self.top_k, self.capacity, self.world_size, self.rank, self.gate_up_clamp,
+        return (self.arch, self.fmt, type(self.kernel).__name__, self.knobs, self.spec, self.world_size, self.rank,
                 self.max_active_clusters, self.compile_only)
 
     def compile(self):
@@ -164,7 +209,7 @@ class MegaMoEFrontend:
         b = ArgBuilder(real=not self.compile_only)
 
         def build():
-            kwargs = self._runtime_args(b, self.capacity, self.out_buf)
+            kwargs = self._runtime_args(b, self.max_tokens_per_rank, self.out_buf)
             kwargs["max_active_clusters"] = self.max_active_clusters
             return cute.compile(self.kernel, **kwargs)
 
@@ -177,9 +222,12 @@ class MegaMoEFrontend:
         return self.compiled
 
     # -- run -----------------------------------------------------------------------------------------------
+    use_graphs = True
+    max_graphs = 64
+
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Inputs are assumed validated by moe_ep (shapes, dtypes, ids in range, T <= capacity).
+        """Inputs are validated by moe_ep (shapes, dtypes, ids in range, T <= capacity); out [T, H] bf16.
 
         Outside a stream capture, each token count gets one CUDA graph (staging + kernel) on first use and
         every later call replays it: the CuTe executor costs ~200 us of host time per eager launch, a replay
@@ -191,7 +239,7 @@ class MegaMoEFrontend:
             self.compile()
         t = x.shape[0]
         if out is None:
-            out = torch.empty((t, self.hidden), dtype=torch.bfloat16, device=self.device)
+            out = torch.empty((t, self.hidden_size), dtype=torch.bfloat16, device=self.device)
         if self.use_graphs and not self.compile_only and not torch.cuda.is_current_stream_capturing():
             if t:
                 self.x_in[:t].copy_(x)
@@ -212,7 +260,7 @@ class MegaMoEFrontend:
 
     def _launch(self, t: int, x: torch.Tensor, out: Optional[torch.Tensor]) -> None:
         """Stage x (topk ids / weights already in place), mask spare rows, launch; write out[:t]."""
-        rows = self.capacity
+        rows = self.max_tokens_per_rank
         if rows > t:
             self.topk_idx[t:rows].fill_(-1)
         if t:
@@ -234,9 +282,6 @@ class MegaMoEFrontend:
         self.compiled(**args)
         if out is not None and not direct and t > 0:
             out.copy_(self.out_buf[:t])
-
-    use_graphs = True
-    max_graphs = 64
 
     def _capture(self, t: int):
         if len(self._graphs) >= self.max_graphs:

@@ -11,15 +11,18 @@ from __future__ import annotations
 from dataclasses import asdict, fields, replace
 from typing import Any, Callable, Dict, Optional, Tuple, Type, TypeVar
 
+from moe_ep.core.errors import KnobError
+
 __all__ = ["InvalidKnobsError", "KnobSet", "resolve_knob_set"]
 
 
-class InvalidKnobsError(ValueError):
-    """A knob set the kernel cannot build; raised before any compile."""
+class InvalidKnobsError(KnobError):
+    """A knob set the kernel cannot build; raised before any compile. ``argument`` (also ``knob``) names the
+    knob, or "knobs" when the kernel's constructor rejects the combination."""
 
-    def __init__(self, knob: str, message: str):
-        self.knob = knob
-        super().__init__(f"knob {knob!r}: {message}")
+    @property
+    def knob(self) -> str:
+        return self.argument
 
 
 K = TypeVar("K", bound="KnobSet")

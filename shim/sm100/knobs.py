@@ -176,16 +176,16 @@ def _bf16_profile(capacity: int) -> Sm100Knobs:
 _PROFILES = {"nvfp4": _nvfp4_profile, "mxfp8": _mxfp8_profile, "bf16": _bf16_profile}
 
 
-def heuristic_knobs(fmt: str, capacity: int) -> Sm100Knobs:
-    """The measured profile for `fmt` at this capacity (tokens per rank)."""
+def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm100Knobs:
+    """The measured profile for `fmt` at this capacity (max_tokens_per_rank)."""
     if fmt not in _PROFILES:
         raise InvalidKnobsError("fmt", f"the sm100 kernels serve {sorted(_PROFILES)}, got {fmt!r}")
-    return _PROFILES[fmt](max(1, int(capacity)))
+    return _PROFILES[fmt](max(1, int(max_tokens_per_rank)))
 
 
-def resolve_knobs(knobs, *, fmt: str, capacity: int, cache_key: str, cache=None) -> Tuple[Sm100Knobs, str]:
+def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None) -> Tuple[Sm100Knobs, str]:
     """Explicit > persistent cache > heuristic. Returns (knobs, where they came from)."""
-    return resolve_knob_set(knobs, knob_type=Sm100Knobs, heuristic=lambda: heuristic_knobs(fmt, capacity),
+    return resolve_knob_set(knobs, knob_type=Sm100Knobs, heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank),
                             validate=lambda k: k.validate(fmt), cache_key=cache_key, cache=cache)
 
 

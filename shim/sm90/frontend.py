@@ -1,7 +1,9 @@
-"""What the Hopper frontends share: the tree's symbols, knob resolution by format, and kernel construction.
+"""What the Hopper frontends share: the tree's symbols, kernel construction from a knob set, the Hopper launch
+arguments and weight layout (shim/sm90/weights.py).
 
-Both Hopper MegaMoE kernels (FP8 and BF16) take the same scheduling / token-comm constructor arguments;
-a format frontend names its two kernel classes (plain and swap-AB) and adds its format's own arguments.
+Both Hopper MegaMoE kernels (FP8 and BF16) take the same scheduling / token-comm constructor arguments; a
+format frontend (shim/sm90/<format>_frontend.py) names its two kernel classes (plain and swap-AB), adds its
+format's own constructor arguments, and says how activations are staged.
 """
 
 from __future__ import annotations
@@ -9,46 +11,58 @@ from __future__ import annotations
 from typing import Any, Dict, Tuple
 
 from shim.common.frontend import MegaMoEFrontend
-from shim.sm90.knobs import HopperKnobs, InvalidKnobsError, KERNEL_FOR_FORMAT, resolve_knobs
+from shim.sm90 import weights as sm90_weights
+from shim.sm90.knobs import KERNEL_CLASS, InvalidKnobsError, Sm90Knobs
 
-__all__ = ["Sm90Frontend"]
+__all__ = ["Sm90Frontend", "H200_SM_COUNT"]
+
+# SMs of an H200 / H100 SXM: the occupancy a compile-only build assumes (a real one asks the device).
+H200_SM_COUNT = 132
 
 
 class Sm90Frontend(MegaMoEFrontend):
     arch = "sm90"
+    compile_only_sm_count = H200_SM_COUNT
 
     def symbols(self):
         from shim.sm90 import kernel_symbols
 
         return kernel_symbols
 
-    def resolve_knobs(self, knobs, cache_key: str):
-        return resolve_knobs(knobs, fmt=self.fmt, capacity=self.capacity, cache_key=cache_key)
-
     def kernel_classes(self) -> Tuple[type, type]:
         """(plain, swap-AB) kernel classes of this format."""
         raise NotImplementedError
 
-    def format_kwargs(self, knobs: HopperKnobs) -> Dict[str, Any]:
+    def format_kwargs(self, knobs: Sm90Knobs) -> Dict[str, Any]:
         return {}
 
-    def build_kernel(self, knobs: HopperKnobs):
-        if knobs.kernel != KERNEL_FOR_FORMAT[self.fmt]:
-            raise InvalidKnobsError("kernel", f"fmt {self.fmt!r} is served by {KERNEL_FOR_FORMAT[self.fmt]}, "
+    def build_kernel(self, knobs: Sm90Knobs):
+        if knobs.kernel != KERNEL_CLASS[self.fmt]:
+            raise InvalidKnobsError("kernel", f"fmt {self.fmt!r} is served by {KERNEL_CLASS[self.fmt]}, "
                                               f"the knob set names {knobs.kernel!r}")
         plain, swap = self.kernel_classes()
         try:
             return (swap if knobs.swap_ab else plain)(
                 mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk, use_2cta_instrs=False,
                 group_hint=knobs.group_hint or self.max_active_clusters, token_padding_block=knobs.token_tile,
-                load_balance_mode=knobs.load_balance_mode,
-                static_expert_shape=(self.experts_per_rank, 2 * self.intermediate, self.hidden),
+                load_balance_mode=knobs.load_balance_mode, static_expert_shape=self.static_expert_shape(),
                 pingpong=knobs.pingpong, world_size=self.world_size, local_rank=self.rank, num_topk=self.top_k,
-                max_tokens_per_rank=self.capacity, hidden=self.hidden,
+                max_tokens_per_rank=self.max_tokens_per_rank, hidden=self.hidden_size,
                 fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce, apply_topk_in_fc1=True,
                 token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch,
-                flag_batch=knobs.flag_batch, gate_up_clamp=self.gate_up_clamp,
+                flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp,
                 tail_split_pairs=knobs.tail_split_pairs, **self.format_kwargs(knobs),
             )
         except (ValueError, NotImplementedError, AssertionError, TypeError) as e:
             raise InvalidKnobsError("knobs", f"the kernel rejects {knobs}: {e}") from e
+
+    def prepare_weights(self, weights):
+        return sm90_weights.prepare_weights(self.fmt, weights.w13, weights.w2, self.device,
+                                            expert_offset=weights.expert_offset)
+
+    def placeholder_weights(self):
+        return sm90_weights.placeholder_weights(self.fmt, self.experts_per_rank, self.hidden_size,
+                                                self.intermediate_size, device=self.device)
+
+    def activation_args(self, b, rows: int):
+        return dict(activation=b.tensor(self.act[:rows]), fc1_c=None)

@@ -14,12 +14,13 @@ from typing import Optional, Tuple
 
 from shim.common.knobs import InvalidKnobsError, KnobSet, resolve_knob_set
 
-__all__ = ["KNOB_SPACE", "CORRECTNESS_KNOBS", "PERF_KNOBS", "HopperKnobs", "Fp8Knobs", "InvalidKnobsError",
-           "heuristic_knobs", "resolve_knobs", "SCALE_MODES", "KERNEL_FOR_FORMAT"]
+__all__ = ["KNOB_SPACE", "KERNEL_CLASS", "CORRECTNESS_KNOBS", "PERF_KNOBS", "Sm90Knobs", "InvalidKnobsError",
+           "heuristic_knobs", "resolve_knobs", "SCALE_MODES"]
 
-SCALE_MODES = {"fp8_block": "blockwise", "fp8_tensor": "per_tensor"}
-KERNEL_FOR_FORMAT = {"fp8_block": "Sm90MegaMoEFp8Kernel", "fp8_tensor": "Sm90MegaMoEFp8Kernel",
-                     "bf16": "Sm90MegaMoEBf16Kernel"}
+# moe_ep format -> the drop's kernel class (its plain variant; the swap-AB one is chosen by the swap_ab knob).
+KERNEL_CLASS = {"fp8_block": "Sm90MegaMoEFp8Kernel", "bf16": "Sm90MegaMoEBf16Kernel"}
+# The FP8 kernel's scale-mode argument for each FP8 format moe_ep serves.
+SCALE_MODES = {"fp8_block": "blockwise"}
 
 # The value sets the tuner draws from, by the kernel constructor parameter they
 # feed. Literal on purpose: `tools/drop audit` checks it against the drop by AST.
@@ -60,7 +61,7 @@ PERF_KNOBS = ("group_hint", "flag_batch", "epi_flag_batch")
 
 
 @dataclass(frozen=True)
-class HopperKnobs(KnobSet):
+class Sm90Knobs(KnobSet):
     """One knob set of a Hopper MegaMoE kernel, FP8 or BF16 (`kernel` names its KNOB_SPACE entry;
     accum_mode is read by the FP8 program only)."""
 
@@ -93,7 +94,7 @@ class HopperKnobs(KnobSet):
     def correctness_part(self) -> Tuple:
         return tuple(getattr(self, k) for k in CORRECTNESS_KNOBS)
 
-    def validate(self) -> "HopperKnobs":
+    def validate(self) -> "Sm90Knobs":
         if self.kernel not in KNOB_SPACE:
             raise InvalidKnobsError("kernel", f"{self.kernel!r} is not one of {sorted(KNOB_SPACE)}")
         space = KNOB_SPACE[self.kernel]
@@ -121,27 +122,24 @@ class HopperKnobs(KnobSet):
         return self
 
 
-Fp8Knobs = HopperKnobs  # the FP8 kernel's knob sets: kernel="Sm90MegaMoEFp8Kernel", the default
-
-
-def heuristic_knobs(fmt: str, capacity: int) -> HopperKnobs:
-    """The drop's own token-bucket table for the format's kernel, keyed by capacity (tokens per rank)."""
+def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm90Knobs:
+    """The drop's own token-bucket table for the format's kernel, keyed by the capacity (max_tokens_per_rank)."""
     from shim.sm90 import kernel_symbols as ks
 
     if fmt == "bf16":
-        c = ks.select_bf16_heuristic_config(max(1, capacity)).config
+        c = ks.select_bf16_heuristic_config(max(1, max_tokens_per_rank)).config
         accum = "1xacc"
     else:
-        c = ks.select_heuristic_config(SCALE_MODES[fmt], max(1, capacity)).config
+        c = ks.select_heuristic_config(SCALE_MODES[fmt], max(1, max_tokens_per_rank)).config
         accum = c.accum_mode
-    return HopperKnobs(
+    return Sm90Knobs(
         swap_ab=bool(c.swap_ab), mma_tiler_mnk=tuple(c.mma_tiler_mnk), cluster_shape_mnk=tuple(c.cluster_shape_mnk),
         pingpong=bool(c.pingpong), accum_mode=accum, token_back_mode=c.token_back_mode,
-        tail_split_pairs=bool(c.tail_split_pairs), group_hint=c.group_hint, kernel=KERNEL_FOR_FORMAT[fmt],
+        tail_split_pairs=bool(c.tail_split_pairs), group_hint=c.group_hint, kernel=KERNEL_CLASS[fmt],
     )
 
 
-def resolve_knobs(knobs, *, fmt: str, capacity: int, cache_key: str, cache=None) -> Tuple[HopperKnobs, str]:
+def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None) -> Tuple[Sm90Knobs, str]:
     """Explicit > persistent cache > heuristic. Returns (knobs, where they came from)."""
-    return resolve_knob_set(knobs, knob_type=HopperKnobs, heuristic=lambda: heuristic_knobs(fmt, capacity),
-                            validate=HopperKnobs.validate, cache_key=cache_key, cache=cache)
+    return resolve_knob_set(knobs, knob_type=Sm90Knobs, heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank),
+                            validate=Sm90Knobs.validate, cache_key=cache_key, cache=cache)

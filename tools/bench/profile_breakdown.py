@@ -13,23 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections import defaultdict
-
 import torch
-
-
-def classify(name: str) -> str:
-    n = name.lower()
-    if "topk_reduce" in n or "topkreduce" in n:
-        return "top-k reduce (drop)"
-    if "kernel_cutlass" in n or "megamoe" in n or "cutlass" in n:
-        return "MegaMoE fused kernel (drop)"
-    return "moe_ep staging (torch ops)"
 
 
 def main(argv=None) -> int:
     import moe_ep
     from tools.bench.bench import GEOMS, bucket, init_single_rank, routing
+    from tools.bench.timing import kernel_groups_us
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "profile_out"))
@@ -54,18 +44,7 @@ def main(argv=None) -> int:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
         for _ in range(5):
             layer(x, idx, w, out=out)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
-                layer(x, idx, w, out=out)
-            torch.cuda.synchronize()
-        per = defaultdict(float)
-        names = defaultdict(float)
-        for ev in prof.key_averages():
-            dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-            if dt and ev.device_type == torch.autograd.DeviceType.CUDA:
-                per[classify(ev.key)] += dt / args.iters
-                names[ev.key[:80]] += dt / args.iters
+        per, names = kernel_groups_us(lambda: layer(x, idx, w, out=out), args.iters)
         row = {"T": t, "capacity": bucket(t), "knobs": str(layer.backend.knobs),
                "us_per_forward": {kk: round(v, 1) for kk, v in per.items()},
                "top_kernels": {kk: round(v, 1) for kk, v in sorted(names.items(), key=lambda kv: -kv[1])[:8]}}

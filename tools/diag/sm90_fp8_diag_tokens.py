@@ -4,14 +4,13 @@ of this script; its numbers are in that commit's message."""
 import json, os, sys
 import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-from sm90_fp8_first_light import oracle, routing  # noqa: E402
-from shim.sm90.fp8_frontend import Sm90Fp8Frontend  # noqa: E402
+from sm90_fp8_first_light import fp8_frontend, load, oracle, routing  # noqa: E402
 
 dev = torch.device("cuda")
 for g in [dict(name="small", H=512, I=256, E=8, K=4, C=1024), dict(name="dsv3", H=7168, I=2048, E=32, K=8, C=4096)]:
-    f = Sm90Fp8Frontend(hidden=g["H"], intermediate=g["I"], experts_per_rank=g["E"], top_k=g["K"], capacity=g["C"], device=dev)
+    f = fp8_frontend(g["H"], g["I"], g["E"], g["K"], g["C"], dev)
     gen = torch.Generator().manual_seed(0)
-    w = f.load_weights((torch.randn(g["E"], 2 * g["I"], g["H"], generator=gen) / g["H"] ** 0.5).to(torch.bfloat16),
+    w = load(f, (torch.randn(g["E"], 2 * g["I"], g["H"], generator=gen) / g["H"] ** 0.5).to(torch.bfloat16),
                        (torch.randn(g["E"], g["H"], g["I"], generator=gen) / g["I"] ** 0.5).to(torch.bfloat16))
     f.compile()
     for pad_in, pad_out in ((True, False),):
@@ -22,7 +21,8 @@ for g in [dict(name="small", H=512, I=256, E=8, K=4, C=1024), dict(name="dsv3", 
             out = torch.full((t, g["H"]), float("nan"), dtype=torch.bfloat16, device=dev)
             f.forward(x, idx, tw, out); torch.cuda.synchronize()
             if t:
-                xq, xs = f.staged_activation(t)
+                staged = f.staged_activation(t)
+                xq, xs = staged.q, staged.scale
                 ref = oracle(f, w, xq, xs, idx, tw, None).float()
                 rel = float((out.float() - ref).norm() / ref.norm())
             else:

@@ -6,16 +6,29 @@ import json, os, sys, time
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+import moe_ep  # noqa: E402
+from moe_ep.core.dist import RankContext  # noqa: E402
+from moe_ep.formats import codecs  # noqa: E402
 from shim.sm90.fp8_frontend import Sm90Fp8Frontend  # noqa: E402
-from moe_ep.reference import quant  # noqa: E402
+from shim.sm90.knobs import heuristic_knobs  # noqa: E402
+
+
+def fp8_frontend(h, i, e, k, capacity, device):
+    """A one-rank FP8 frontend with the heuristic's knobs, outside any process group (world size 1)."""
+    spec = moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k, max_tokens_per_rank=capacity)
+    return Sm90Fp8Frontend(spec, RankContext.detached(device=device), heuristic_knobs("fp8_block", capacity))
+
+
+def load(front, w13, w2):
+    return front.load_weights(moe_ep.ExpertWeights(w13, w2, rank=0, world_size=1, num_experts=w13.shape[0]))
 
 
 def oracle(front, w, x_q, x_s, idx, tw, clamp):
     t, h = x_q.shape
-    e, i = front.experts_per_rank, front.intermediate
+    e, i = front.experts_per_rank, front.intermediate_size
     x = x_q.float() * x_s.repeat_interleave(128, dim=1)
     q1 = w.fc1.permute(0, 2, 1)  # (E, 2I, H) interleaved
-    w13 = quant.deinterleave_gate_up(q1.float() * w.fc1_scale.repeat_interleave(128, 1).repeat_interleave(128, 2))
+    w13 = codecs.deinterleave_gate_up(q1.float() * w.fc1_scale.repeat_interleave(128, 1).repeat_interleave(128, 2))
     q2 = w.fc2.permute(0, 2, 1)
     w2 = q2.float() * w.fc2_scale.repeat_interleave(128, 1).repeat_interleave(128, 2)
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
@@ -53,14 +66,13 @@ def main():
     counts = [1, 7, 64, 128, 1000, 4096]
     for g in geoms:
         t0 = time.time()
-        f = Sm90Fp8Frontend(hidden=g["H"], intermediate=g["I"], experts_per_rank=g["E"], top_k=g["K"],
-                            capacity=4096, device=dev)
+        f = fp8_frontend(g["H"], g["I"], g["E"], g["K"], 4096, dev)
         gen = torch.Generator().manual_seed(0)
         w13 = (torch.randn(g["E"], 2 * g["I"], g["H"], generator=gen) / g["H"] ** 0.5).to(torch.bfloat16)
         w2 = (torch.randn(g["E"], g["H"], g["I"], generator=gen) / g["I"] ** 0.5).to(torch.bfloat16)
-        w = f.load_weights(w13, w2)
+        w = load(f, w13, w2)
         f.compile()
-        print(f"[{g['name']}] knobs={f.knobs} ({f.knob_source}) build+compile {time.time()-t0:.1f}s", flush=True)
+        print(f"[{g['name']}] knobs={f.knobs} (heuristic) build+compile {time.time()-t0:.1f}s", flush=True)
         for skew in (False, True):
             for t in counts:
                 x = torch.randn(t, g["H"], generator=gen).to(torch.bfloat16).to(dev)
@@ -69,7 +81,8 @@ def main():
                 out = torch.full((t, g["H"]), float("nan"), dtype=torch.bfloat16, device=dev)
                 f.forward(x, idx, tw, out)
                 torch.cuda.synchronize()
-                xq, xs = f.staged_activation(t)
+                staged = f.staged_activation(t)
+                xq, xs = staged.q, staged.scale
                 ref = oracle(f, w, xq, xs, idx, tw, None).float()
                 o = out.float()
                 nan = int(torch.isnan(o).sum())

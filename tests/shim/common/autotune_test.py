@@ -3,6 +3,8 @@ import math
 import os
 
 import pytest
+
+import moe_ep
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -82,8 +84,9 @@ def test_different_lists_on_ranks_are_refused():
 def test_single_process_without_group():
     r = collective_autotune([3, 1, 2], lambda c: [c * 10.0, c * 10.0 + 1], progress=False)
     assert r.winner == 1 and r.winner_index == 1 and r.scores_us == [30.5, 10.5, 20.5]
-    with pytest.raises(ValueError):
+    with pytest.raises(moe_ep.TuningError) as err:
         collective_autotune([], lambda c: [1.0])
+    assert err.value.argument == "candidates"
     with pytest.raises(NoViableCandidateError):
         collective_autotune([1], lambda c: [float("nan")], progress=False)
 

@@ -12,9 +12,9 @@ import moe_ep
 from moe_ep.core import registry
 
 BACKENDS = {
-    "sm100_nvfp4_cutedsl": ("moe_ep.backends.sm100_nvfp4", "Sm100Nvfp4Backend", "nvfp4"),
-    "sm100_mxfp8_cutedsl": ("moe_ep.backends.sm100_mxfp8", "Sm100Mxfp8Backend", "mxfp8"),
-    "sm100_bf16_cutedsl": ("moe_ep.backends.sm100_bf16", "Sm100Bf16Backend", "bf16"),
+    "sm100_nvfp4_cutedsl": ("shim.sm100.backend", "Sm100Nvfp4Backend", "nvfp4"),
+    "sm100_mxfp8_cutedsl": ("shim.sm100.backend", "Sm100Mxfp8Backend", "mxfp8"),
+    "sm100_bf16_cutedsl": ("shim.sm100.backend", "Sm100Bf16Backend", "bf16"),
 }
 
 
@@ -75,12 +75,6 @@ def test_check_spec_names_what_the_kernel_cannot_serve(name, spec_kw, arguments)
     assert sorted({a for a, _ in problems}) == sorted(arguments), problems
 
 
-def test_check_spec_refuses_another_format():
-    spec = moe_ep.MoESpec(hidden_size=7168, intermediate_size=2048, num_experts=256, top_k=8, max_tokens_per_rank=512)
-    problems = registry.resolve_backend("sm100_mxfp8_cutedsl").check_spec(spec, "nvfp4", 4)
-    assert ("fmt", "sm100_mxfp8_cutedsl serves ['mxfp8'], not 'nvfp4'") in problems
-
-
 @pytest.fixture(scope="module")
 def gloo_group(tmp_path_factory):
     import torch.distributed as dist
@@ -90,6 +84,15 @@ def gloo_group(tmp_path_factory):
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+def test_a_layer_refuses_a_format_the_backend_does_not_serve(gloo_group):
+    spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
+    weights = moe_ep.ExpertWeights(torch.zeros(4, 256, 256, dtype=torch.bfloat16),
+                                   torch.zeros(4, 256, 128, dtype=torch.bfloat16), rank=0, world_size=1, num_experts=4)
+    with pytest.raises(moe_ep.FormatError) as err:
+        moe_ep.MoELayer(spec, weights, backend="sm100_mxfp8_cutedsl", fmt="bf16")
+    assert err.value.argument == "fmt" and "mxfp8" in str(err.value)
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))

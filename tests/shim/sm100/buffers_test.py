@@ -7,8 +7,9 @@ kernels' own numbers; activation staging is checked byte for byte against moe_ep
 import pytest
 import torch
 
-from moe_ep.reference import quant
-from tests.shim.sm100.helpers import canonical_weights, same_bytes
+from moe_ep.formats import packs
+import moe_ep
+from tests.shim.sm100.helpers import canonical_weights, compile_only, expert_weights, same_bytes
 
 pytestmark = pytest.mark.usefixtures("sm100_tree")
 
@@ -16,11 +17,9 @@ GEOM = dict(hidden=512, intermediate=256, experts_per_rank=4, top_k=3, capacity=
 
 
 def _frontend(fmt, **kw):
-    from shim.sm100.frontend import make_frontend
-
-    args = dict(GEOM, compile_only=True, world_size=2, rank=1)
+    args = dict(GEOM, world_size=2, rank=1)
     args.update(kw)
-    return make_frontend(fmt, **args)
+    return compile_only(fmt, **args)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
@@ -103,15 +102,14 @@ def test_symmetric_bytes_is_the_sum_of_heap_buffers(fmt):
 def test_staged_activations_are_the_reference_quantization(fmt):
     w13, w2 = canonical_weights(GEOM["experts_per_rank"], GEOM["hidden"], GEOM["intermediate"])
     f = _frontend(fmt)
-    if fmt == "nvfp4":
-        f.calibrate(5.0, 0.5)
-    f.load_weights(w13, w2)
+    cal = dict(act_amax=5.0, fc2_act_amax=0.5) if fmt == "nvfp4" else {}
+    f.load_weights(expert_weights(w13, w2, rank=1, world_size=2, **cal))
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(37, GEOM["hidden"], generator=g) * 2).to(torch.bfloat16)
     x[4, :64] = 0
     f.stage_activations(x)
     got = f.staged_activation(37)
-    want = quant.quantize_input(f.weights.canonical(), x)
+    want = packs.quantize_input(f.weights.canonical(), x)
     assert got.fmt == fmt and same_bytes(got.q, want.q)
     if fmt != "bf16":
         assert same_bytes(got.scale, want.scale)
@@ -120,19 +118,18 @@ def test_staged_activations_are_the_reference_quantization(fmt):
     assert not f.act[37:].view(torch.uint8).any()  # rows past T untouched
 
 
-def test_bad_geometry_names_the_argument_before_anything_is_built():
-    from shim.sm100.frontend import make_frontend
-
-    with pytest.raises(ValueError, match="hidden_size: must be a multiple of 64"):
-        make_frontend("nvfp4", **dict(GEOM, hidden=480), compile_only=True)
-    with pytest.raises(ValueError, match="hidden_size: must be a multiple of 128"):
-        make_frontend("mxfp8", **dict(GEOM, hidden=448), compile_only=True)
-    with pytest.raises(ValueError, match="intermediate_size: must be a multiple of 32"):
-        make_frontend("bf16", **dict(GEOM, intermediate=48), compile_only=True)
-    with pytest.raises(ValueError, match="top_k: must be in"):
-        make_frontend("mxfp8", **dict(GEOM, top_k=33), compile_only=True)
-    with pytest.raises(ValueError, match="fmt must be one of"):
-        make_frontend("fp8_block", **GEOM, compile_only=True)
+@pytest.mark.parametrize("fmt, change, argument, message", [
+    ("nvfp4", dict(hidden=480), "hidden_size", "must be a multiple of 64"),
+    ("mxfp8", dict(hidden=448), "hidden_size", "must be a multiple of 128"),
+    ("bf16", dict(intermediate=48), "intermediate_size", "must be a multiple of 32"),
+    ("mxfp8", dict(top_k=33, experts_per_rank=40), "top_k", "must be in"),
+    ("fp8_block", {}, "fmt", "the sm100 kernels serve"),
+])
+def test_bad_geometry_names_the_argument_before_anything_is_built(fmt, change, argument, message):
+    """The backend's rules (shim/sm100/limits.py), asked as the layer asks them, before any kernel object."""
+    with pytest.raises(moe_ep.SpecError, match=message) as err:
+        _frontend(fmt, **change)
+    assert err.value.argument == argument
 
 
 def test_the_mxfp8_hidden_rule_is_the_drops_own(monkeypatch):
@@ -141,8 +138,9 @@ def test_the_mxfp8_hidden_rule_is_the_drops_own(monkeypatch):
     from shim.sm100.knobs import InvalidKnobsError
 
     monkeypatch.setitem(limits.FORMAT_MULTIPLE, "mxfp8", (64, 64))
-    with pytest.raises(InvalidKnobsError, match="hidden=448 is not supported"):
+    with pytest.raises(InvalidKnobsError, match="hidden=448 is not supported") as err:
         _frontend("mxfp8", hidden=448)
+    assert isinstance(err.value, moe_ep.KnobError)
 
 
 def test_a_knob_set_the_kernel_cannot_build_is_refused_by_name():
@@ -170,12 +168,15 @@ def test_compile_only_needs_the_blackwell_target(monkeypatch):
 ])
 def test_a_real_frontend_needs_a_blackwell_gpu(monkeypatch, cuda, capability, message):
     """Whatever this host has, a frontend that would launch refuses anything but an sm_100-family GPU."""
-    from shim.sm100.frontend import make_frontend
+    from moe_ep.core.dist import RankContext
+    from shim.sm100.knobs import heuristic_knobs
+    from shim.sm100.nvfp4_frontend import Sm100Nvfp4Frontend
+    from tests.shim.sm100.helpers import spec_of
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     with pytest.raises(RuntimeError, match="need a Blackwell") as err:
-        make_frontend("nvfp4", **GEOM)
+        Sm100Nvfp4Frontend(spec_of(**GEOM), RankContext.detached(device="cuda"), heuristic_knobs("nvfp4", 96))
     assert message in str(err.value)
 
 

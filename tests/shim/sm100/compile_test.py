@@ -18,6 +18,8 @@ os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="sm100_ptx_",
 
 pytestmark = pytest.mark.usefixtures("sm100_tree")
 
+from tests.shim.sm100.helpers import compile_only  # noqa: E402
+
 GEOM = dict(hidden=512, intermediate=256, experts_per_rank=4, top_k=2)
 CASES = [  # (fmt, capacity, token-back mode the heuristic picks there)
     ("nvfp4", 64, "epi_warps"),
@@ -32,10 +34,10 @@ KERNEL = {"nvfp4": "Sm100MegaMoEKernel", "mxfp8": "Sm100MegaMoEMxfp8Kernel", "bf
 @pytest.mark.parametrize("fmt, capacity, token_back", CASES)
 def test_kernel_compiles_on_cpu_for_sm100a(fmt, capacity, token_back):
     from shim.common import compile_cache
-    from shim.sm100.frontend import make_frontend
+    from shim.sm100.knobs import heuristic_knobs
 
-    f = make_frontend(fmt, **GEOM, capacity=capacity, compile_only=True)
-    assert f.knobs.token_back_mode == token_back and f.knob_source == "heuristic"
+    f = compile_only(fmt, **GEOM, capacity=capacity)
+    assert f.knobs.token_back_mode == token_back and f.knobs == heuristic_knobs(fmt, capacity)
     t0 = time.perf_counter()
     compiled = f.compile()
     seconds = time.perf_counter() - t0
@@ -44,7 +46,7 @@ def test_kernel_compiles_on_cpu_for_sm100a(fmt, capacity, token_back):
     assert any(KERNEL[fmt] in name for name in compiled.kernel_info), list(compiled.kernel_info)
     ptx = compiled.artifacts.PTX
     assert ptx and f".target {os.environ['CUTE_DSL_ARCH']}" in ptx
-    again = make_frontend(fmt, **GEOM, capacity=capacity, compile_only=True)
+    again = compile_only(fmt, **GEOM, capacity=capacity)
     assert again.compile() is compiled and again.compiled_from_cache
     assert compile_cache.stats()["compiles"] >= 1
 
@@ -54,11 +56,10 @@ def test_kernel_compiles_on_cpu_for_sm100a(fmt, capacity, token_back):
 ])
 def test_in_kernel_reduce_variants_compile(fmt, token_back):
     """The opt-in in-kernel top-k reduce (nondeterministic summation order) builds a different program."""
-    from shim.sm100.frontend import make_frontend
     from shim.sm100.knobs import heuristic_knobs
 
     knobs = heuristic_knobs(fmt, 64).replace(fc2_in_kernel_topk_reduce=True, token_back_mode=token_back)
-    f = make_frontend(fmt, **GEOM, capacity=64, compile_only=True, knobs=knobs)
+    f = compile_only(fmt, **GEOM, capacity=64, knobs=knobs)
     assert f.sym_out is not None  # the cross-rank adds land in a symmetric output
     compiled = f.compile()
     assert compiled.has_gpu_module and f".target {os.environ['CUTE_DSL_ARCH']}" in compiled.artifacts.PTX
@@ -68,9 +69,7 @@ def test_in_kernel_reduce_variants_compile(fmt, token_back):
 def test_each_kernel_chains_its_topk_reduce_into_the_same_program(fmt):
     """Without the in-kernel reduce, each launch also runs the drop's TopkReduce on the same stream (BF16 too
     since 0.7.4); the MXFP8 launch then runs the column re-quantization of the received tokens."""
-    from shim.sm100.frontend import make_frontend
-
-    f = make_frontend(fmt, **GEOM, capacity=64, compile_only=True)
+    f = compile_only(fmt, **GEOM, capacity=64)
     names = list(f.compile().kernel_info)
     assert any("TopkReduce" in n for n in names), names
     assert any("Mxfp8ColRequant" in n for n in names) == (fmt == "mxfp8"), names

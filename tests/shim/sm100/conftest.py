@@ -27,3 +27,7 @@ def ks(sm100_tree):
     from shim.sm100 import kernel_symbols
 
     return kernel_symbols
+
+
+# The GPU suites' fixtures (per-rank process group, case log, shared seed), shared with the sm90 suite.
+from tests.support.gpu import case_log, dist_ctx, shared_seed  # noqa: E402,F401

@@ -18,3 +18,30 @@ def same_bytes(a, b) -> bool:
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return False
     return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+BACKEND_FOR_FMT = {"nvfp4": "sm100_nvfp4_cutedsl", "mxfp8": "sm100_mxfp8_cutedsl", "bf16": "sm100_bf16_cutedsl"}
+
+
+def spec_of(*, hidden, intermediate, experts_per_rank, top_k, capacity, world_size=1):
+    import moe_ep
+
+    return moe_ep.MoESpec(hidden_size=hidden, intermediate_size=intermediate,
+                          num_experts=experts_per_rank * world_size, top_k=top_k, max_tokens_per_rank=capacity)
+
+
+def compile_only(fmt, *, knobs=None, world_size=1, rank=0, **geom):
+    """The frontend a layer of the `fmt` backend builds for this geometry, built for a CPU compile."""
+    from shim.common.backend import compile_only_frontend
+
+    backend = BACKEND_FOR_FMT.get(fmt, "sm100_bf16_cutedsl")
+    return compile_only_frontend(backend, spec_of(world_size=world_size, **geom), fmt=fmt, knobs=knobs,
+                                 rank=rank, world_size=world_size)
+
+
+def expert_weights(w13, w2, *, rank=0, world_size=1, act_amax=None, fc2_act_amax=None):
+    """One rank's moe_ep.ExpertWeights from its [E_local, ...] slices (the calibration NVFP4 needs)."""
+    import moe_ep
+
+    return moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world_size,
+                                num_experts=w13.shape[0] * world_size, act_amax=act_amax, fc2_act_amax=fc2_act_amax)

@@ -14,7 +14,7 @@ FORMATS = ("nvfp4", "mxfp8", "bf16")
 
 def _key(fmt="nvfp4", **kw):
     base = dict(arch="sm100", fmt=fmt, hidden=7168, intermediate=2048, experts_per_rank=64, top_k=8, world_size=4,
-                capacity=256)
+                max_tokens_per_rank=256)
     base.update(kw)
     return cache_key(**base)
 
@@ -84,30 +84,30 @@ def test_unknown_format_is_refused():
 def test_resolution_order(tmp_path):
     cache = KnobCache(str(tmp_path / "k.json"))
     heur = heuristic_knobs("nvfp4", 256)
-    assert resolve_knobs(None, fmt="nvfp4", capacity=256, cache_key=_key(), cache=cache) == (heur, "heuristic")
+    assert resolve_knobs(None, fmt="nvfp4", max_tokens_per_rank=256, cache_key=_key(), cache=cache) == (heur, "heuristic")
     tuned = heur.replace(group_hint=128, flag_batch=8)
     cache.put(_key(), tuned.to_json(), meta={"us": 300.0})
-    assert resolve_knobs(None, fmt="nvfp4", capacity=256, cache_key=_key(), cache=cache) == (tuned, "cache")
-    assert resolve_knobs("auto", fmt="nvfp4", capacity=256, cache_key=_key(), cache=cache)[1] == "cache"
+    assert resolve_knobs(None, fmt="nvfp4", max_tokens_per_rank=256, cache_key=_key(), cache=cache) == (tuned, "cache")
+    assert resolve_knobs("auto", fmt="nvfp4", max_tokens_per_rank=256, cache_key=_key(), cache=cache)[1] == "cache"
     # Another key (geometry, format or capacity) does not see it.
-    assert resolve_knobs(None, fmt="nvfp4", capacity=512, cache_key=_key(capacity=512), cache=cache)[1] == "heuristic"
+    assert resolve_knobs(None, fmt="nvfp4", max_tokens_per_rank=512, cache_key=_key(max_tokens_per_rank=512), cache=cache)[1] == "heuristic"
     # Explicit beats the cache; a dict overrides the heuristic field by field.
-    k, src = resolve_knobs({"flag_batch": 2}, fmt="nvfp4", capacity=256, cache_key=_key(), cache=cache)
+    k, src = resolve_knobs({"flag_batch": 2}, fmt="nvfp4", max_tokens_per_rank=256, cache_key=_key(), cache=cache)
     assert src == "explicit" and k == heur.replace(flag_batch=2)
-    assert resolve_knobs(heur, fmt="nvfp4", capacity=256, cache_key=_key(), cache=cache) == (heur, "explicit")
+    assert resolve_knobs(heur, fmt="nvfp4", max_tokens_per_rank=256, cache_key=_key(), cache=cache) == (heur, "explicit")
 
 
 def test_a_bad_cached_set_is_an_error_not_a_silent_default(tmp_path):
     cache = KnobCache(str(tmp_path / "k.json"))
     cache.put(_key("mxfp8"), dict(heuristic_knobs("mxfp8", 256).to_json(), mma_tiler_mnk=[128, 128, 256]))
     with pytest.raises(InvalidKnobsError) as err:
-        resolve_knobs(None, fmt="mxfp8", capacity=256, cache_key=_key("mxfp8"), cache=cache)
+        resolve_knobs(None, fmt="mxfp8", max_tokens_per_rank=256, cache_key=_key("mxfp8"), cache=cache)
     assert err.value.knob == "mma_tiler_mnk"
     with pytest.raises(InvalidKnobsError) as err:
-        resolve_knobs({"tile": (1, 2, 3)}, fmt="mxfp8", capacity=256, cache_key=_key("mxfp8"), cache=cache)
+        resolve_knobs({"tile": (1, 2, 3)}, fmt="mxfp8", max_tokens_per_rank=256, cache_key=_key("mxfp8"), cache=cache)
     assert err.value.knob == "tile"
     with pytest.raises(InvalidKnobsError, match="expected None, 'auto', a dict or Sm100Knobs"):
-        resolve_knobs(7, fmt="mxfp8", capacity=256, cache_key=_key("mxfp8"), cache=cache)
+        resolve_knobs(7, fmt="mxfp8", max_tokens_per_rank=256, cache_key=_key("mxfp8"), cache=cache)
 
 
 def test_json_round_trip_keeps_tuples():

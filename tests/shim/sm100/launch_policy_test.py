@@ -9,11 +9,11 @@ sum their top-k terms themselves, so the three share one launch path.
 import pytest
 import torch
 
-from tests.shim.sm100.helpers import canonical_weights
+from tests.shim.sm100.helpers import canonical_weights, compile_only, expert_weights
 
 pytestmark = pytest.mark.usefixtures("sm100_tree")
 
-GEOM = dict(hidden=256, intermediate=128, experts_per_rank=2, top_k=4, capacity=32)
+GEOM = dict(hidden=256, intermediate=128, experts_per_rank=4, top_k=4, capacity=32)
 
 
 class PassThroughArgs:
@@ -44,10 +44,10 @@ def frontend(monkeypatch):
     monkeypatch.setattr(shim.sm100.frontend, "ArgBuilder", PassThroughArgs)
 
     def make(fmt, knobs=None):
-        f = shim.sm100.frontend.make_frontend(fmt, **GEOM, compile_only=True, knobs=knobs)
-        if fmt == "nvfp4":
-            f.calibrate(4.0, 1.0)
-        f.load_weights(*canonical_weights(GEOM["experts_per_rank"], GEOM["hidden"], GEOM["intermediate"]))
+        f = compile_only(fmt, **GEOM, knobs=knobs)
+        cal = dict(act_amax=4.0, fc2_act_amax=1.0) if fmt == "nvfp4" else {}
+        f.load_weights(expert_weights(*canonical_weights(GEOM["experts_per_rank"], GEOM["hidden"],
+                                                         GEOM["intermediate"]), **cal))
         f.launches = []
         return f
 
@@ -173,9 +173,7 @@ def test_a_graphed_launch_leaves_the_result_where_the_replay_reads_it(frontend, 
 
 
 def test_forward_before_weights_is_an_error():
-    from shim.sm100.frontend import make_frontend
-
-    f = make_frontend("bf16", **GEOM, compile_only=True)
+    f = compile_only("bf16", **GEOM)
     with pytest.raises(RuntimeError, match="load_weights"):
         f.forward(*_inputs(2))
 

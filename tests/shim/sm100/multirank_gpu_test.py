@@ -24,10 +24,9 @@ import pytest
 import torch
 
 import moe_ep
-from moe_ep.reference import quant
+from moe_ep.reference import ffn
 from moe_ep.reference.oracle import check_multirank
 from moe_ep.testing.problems import make_routing, unquantized_reference
-from tests.support.gpu import case_log, dist_ctx, shared_seed  # noqa: F401 (pytest fixtures)
 
 BACKENDS = {"sm100_nvfp4_cutedsl": "nvfp4", "sm100_mxfp8_cutedsl": "mxfp8", "sm100_bf16_cutedsl": "bf16"}
 GEOMS = {
@@ -49,7 +48,7 @@ def _calibration(w13, w2, top_k, gate_up_clamp, gen):
     w = torch.softmax(torch.randn(512, top_k, generator=gen, device="cuda"), dim=-1).max(dim=1).values
     fc2_amax = torch.zeros((), device="cuda")
     for e in range(w13.shape[0]):
-        y = quant.swiglu(x.float() @ w13[e].float().t(), gate_up_clamp) * w.unsqueeze(1)
+        y = ffn.swiglu(x.float() @ w13[e].float().t(), gate_up_clamp) * w.unsqueeze(1)
         fc2_amax = torch.maximum(fc2_amax, y.abs().max())
     amax = torch.stack([x.float().abs().max(), fc2_amax]) * 1.25
     dist.all_reduce(amax, op=dist.ReduceOp.MAX)

@@ -11,7 +11,9 @@ must agree with the drop's helper for it.
 import pytest
 import torch
 
-from moe_ep.reference import quant
+from moe_ep.formats import codecs
+from moe_ep.formats import packs
+from moe_ep.reference import ffn
 from tests.shim.sm100.helpers import canonical_weights, same_bytes
 
 pytestmark = pytest.mark.usefixtures("sm100_tree")
@@ -30,7 +32,7 @@ def _prepare(fmt, w13, w2, offset=6):
 def test_kernel_weights_read_back_to_the_reference_quantization(fmt):
     w13, w2 = canonical_weights()
     kw = _prepare(fmt, w13, w2)
-    ref = quant.quantize_weights(fmt, w13, w2, expert_offset=6, **CAL.get(fmt, {}))
+    ref = packs.quantize_weights(fmt, w13, w2, expert_offset=6, **CAL.get(fmt, {}))
     got = kw.canonical()
     assert got.fmt == fmt and got.expert_offset == 6
     assert sorted(got.tensor_fields()) == sorted(ref.tensor_fields())
@@ -94,13 +96,13 @@ def test_e2m1_pairs_decode_as_the_drop_decodes_them(ks):
     e, h, i = 2, 128, 64
     w13, w2 = canonical_weights(e, h, i)
     kw = _prepare("nvfp4", w13, w2)
-    ref = quant.quantize_weights("nvfp4", w13, w2, **CAL["nvfp4"])
-    fc1_rows = quant.interleave_gate_up(ref.w13_q, 16)  # [E, 2I, H] codes in kernel row order
+    ref = packs.quantize_weights("nvfp4", w13, w2, **CAL["nvfp4"])
+    fc1_rows = codecs.interleave_gate_up(ref.w13_q, 16)  # [E, 2I, H] codes in kernel row order
     for x in range(e):
         got = ks.unpack_fp4_to_f32(kw.fc1[x])  # (H, 2I): the drop finds the packed (contiguous) axis itself
-        assert torch.equal(got, quant.e2m1_decode(fc1_rows[x]).t())
+        assert torch.equal(got, codecs.e2m1_decode(fc1_rows[x]).t())
         got2 = ks.unpack_fp4_to_f32(kw.fc2[x])  # (I, H)
-        assert torch.equal(got2, quant.e2m1_decode(ref.w2_q[x]).t())
+        assert torch.equal(got2, codecs.e2m1_decode(ref.w2_q[x]).t())
 
 
 def test_pack_e2m1_round_trips_every_code_pair():
@@ -126,9 +128,9 @@ def test_gate_up_pairing_is_the_one_the_drops_swiglu_fold_reads(ks, fmt, group):
     g = torch.Generator().manual_seed(group)
     w13 = torch.randn(1, 2 * i, h, generator=g)
     x = torch.randn(5, h, generator=g)
-    fc1_kernel_order = x @ quant.interleave_gate_up(w13, group)[0].t()
+    fc1_kernel_order = x @ codecs.interleave_gate_up(w13, group)[0].t()
     folded = ks.swiglu_fold_interleave(fc1_kernel_order, group)
-    assert torch.allclose(folded, quant.swiglu(x @ w13[0].t(), None), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(folded, ffn.swiglu(x @ w13[0].t(), None), rtol=1e-6, atol=1e-6)
 
 
 def test_mxfp8_reference_quantizer_is_the_drops_bit_for_bit(ks):
@@ -139,7 +141,7 @@ def test_mxfp8_reference_quantizer_is_the_drops_bit_for_bit(ks):
     x[3, :32] = 0.0
     x[5, 40] = 448.0 * 2 ** 10
     x = x.to(torch.bfloat16).to(torch.float32)
-    q_ref, s_ref = quant.mxfp8_quantize(x)
+    q_ref, s_ref = codecs.mxfp8_quantize(x)
     q_drop, s_drop = ks.mxfp8_quantize_per_block_32_row(x, torch.float8_e4m3fn)
     assert same_bytes(q_ref, q_drop) and same_bytes(s_ref, s_drop)
 
@@ -147,12 +149,12 @@ def test_mxfp8_reference_quantizer_is_the_drops_bit_for_bit(ks):
 def test_nvfp4_epilogue_scalars_are_the_oracles_alphas():
     w13, w2 = canonical_weights()
     kw = _prepare("nvfp4", w13, w2)
-    ref = quant.quantize_weights("nvfp4", w13, w2, **CAL["nvfp4"])
+    ref = packs.quantize_weights("nvfp4", w13, w2, **CAL["nvfp4"])
     e = ref.num_experts
     for x in range(e):
-        # The oracle computes alpha per expert exactly this way (quant.expert_ffn).
-        assert same_bytes(kw.fc1_alpha[x], quant.nvfp4_alpha(ref.act_scale[0], ref.w13_global_scale[x]))
-        assert same_bytes(kw.fc2_alpha[x], quant.nvfp4_alpha(ref.fc2_act_scale[x], ref.w2_global_scale[x]))
+        # The oracle computes alpha per expert exactly this way (ffn.expert_ffn).
+        assert same_bytes(kw.fc1_alpha[x], codecs.nvfp4_alpha(ref.act_scale[0], ref.w13_global_scale[x]))
+        assert same_bytes(kw.fc2_alpha[x], codecs.nvfp4_alpha(ref.fc2_act_scale[x], ref.w2_global_scale[x]))
     assert same_bytes(kw.fc1_norm_const, ref.fc2_act_scale)
     for t in (kw.fc1_alpha, kw.fc2_alpha, kw.fc1_norm_const):
         assert t.dtype == torch.float32 and tuple(t.shape) == (e,) and t.is_contiguous()

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import moe_ep
-from tests.support.gpu import case_log, dist_ctx  # noqa: F401 (pytest fixtures)
 
 GEOM = dict(hidden_size=2048, intermediate_size=768, num_experts=16, top_k=4, max_tokens_per_rank=128)
 
@@ -33,7 +32,7 @@ def test_autotune_then_cache_reuse(dist_ctx, tmp_path, case_log, monkeypatch):
     monkeypatch.setenv("MOE_EP_KNOB_CACHE", cache)
     layer = _layer("auto")
     res = layer.backend.autotune_result
-    assert res is not None and layer.backend.frontend.knob_source == "autotune"
+    assert res is not None and layer.backend.knob_source == "autotune"
     entry = json.load(open(cache))["entries"]
     assert len(entry) == 1
     (key, val), = entry.items()
@@ -47,7 +46,7 @@ def test_autotune_then_cache_reuse(dist_ctx, tmp_path, case_log, monkeypatch):
     code = ("import json, torch, sys; sys.path[:0] = %r; from autotune_gpu_test import _layer; "
             "import torch.distributed as dist; dist.init_process_group('cpu:gloo,cuda:nccl', rank=0, world_size=1,"
             " init_method='tcp://127.0.0.1:%d'); from shim.common import compile_cache; l = _layer('auto'); "
-            "print(json.dumps(dict(source=l.backend.frontend.knob_source, knobs=l.backend.knobs.to_json(), "
+            "print(json.dumps(dict(source=l.backend.knob_source, knobs=l.backend.knobs.to_json(), "
             "compiles=compile_cache.stats()['compiles']))); l.close(); dist.destroy_process_group()"
             % ([os.path.dirname(os.path.abspath(__file__))] + sys.path, 29000 + os.getpid() % 1000))
     env = dict(os.environ, RANK="0", WORLD_SIZE="1")

@@ -1,67 +1,69 @@
 """The Hopper FP8 and BF16 MegaMoE kernels compile through the shim on a machine with no GPU (CUTE_DSL_ARCH=sm_90a).
 
-One small config per operand order (swap-AB and not), with capacity-sized fake
-tensors whose extents are symbolic: the same program a GPU run builds.
+One small config per operand order (swap-AB and not), with capacity-sized fake tensors whose extents are
+symbolic: the same program a GPU run builds. The frontends are built the way a layer builds them
+(shim.common.backend.compile_only_frontend: the backend's rules, knob resolution, its frontend class).
 """
 import os
 
 import pytest
+
+import moe_ep
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 pytestmark = pytest.mark.usefixtures("sm90_tree")
 
 
+def _spec(capacity, **kw):
+    geom = dict(hidden_size=512, intermediate_size=256, num_experts=4, top_k=2, max_tokens_per_rank=capacity)
+    geom.update(kw)
+    return moe_ep.MoESpec(**geom)
+
+
 @pytest.mark.parametrize("capacity", [64, 1024])  # heuristic picks swap-AB at 64, non-swap at 1024
 def test_fp8_kernel_compiles_on_cpu(capacity):
     from shim.common import compile_cache
-    from shim.sm90.fp8_frontend import Sm90Fp8Frontend
+    from shim.common.backend import compile_only_frontend
 
-    f = Sm90Fp8Frontend(hidden=512, intermediate=256, experts_per_rank=4, top_k=2, capacity=capacity,
-                        compile_only=True)
+    f = compile_only_frontend("sm90_fp8_cutedsl", _spec(capacity))
+    assert type(f).__name__ == "Sm90Fp8Frontend" and f.fmt == "fp8_block"
     assert f.knobs.swap_ab == (capacity == 64)
     compiled = f.compile()
     assert compiled is not None and callable(compiled)
-    again = Sm90Fp8Frontend(hidden=512, intermediate=256, experts_per_rank=4, top_k=2, capacity=capacity,
-                            compile_only=True)
+    again = compile_only_frontend("sm90_fp8_cutedsl", _spec(capacity))
     assert again.compile() is compiled and again.compiled_from_cache
     assert compile_cache.stats()["compiles"] >= 1
 
 
 @pytest.mark.parametrize("capacity", [64, 2048])
 def test_bf16_kernel_compiles_on_cpu(capacity):
-    from shim.sm90.bf16_frontend import Sm90Bf16Frontend
+    from shim.common.backend import compile_only_frontend
 
-    f = Sm90Bf16Frontend(hidden=512, intermediate=256, experts_per_rank=4, top_k=2, capacity=capacity,
-                         compile_only=True)
+    f = compile_only_frontend("sm90_bf16_cutedsl", _spec(capacity))
+    assert type(f).__name__ == "Sm90Bf16Frontend"
     assert f.knobs.kernel == "Sm90MegaMoEBf16Kernel" and f.knobs.mma_tiler_mnk[2] == 64
     assert callable(f.compile())
 
 
-@pytest.mark.parametrize("backend", ["sm90_fp8_cutedsl", "sm90_bf16_cutedsl"])
-def test_backend_builds_its_frontend_the_way_the_layer_does(backend):
-    """The backends construct frontends with fmt= plus the layer's keywords (Sm90KernelBackend.make_frontend)."""
-    from moe_ep.core.registry import resolve_backend
+def test_bad_geometry_is_refused_before_any_kernel_is_built():
+    from shim.common.backend import compile_only_frontend
 
-    cls = resolve_backend(backend)
-    fmt = cls.weight_formats[0]
-    f = cls.frontend_class()(fmt=fmt, knobs=None, hidden=512, intermediate=256, experts_per_rank=4, top_k=2,
-                             capacity=64, rank=0, world_size=1, group=None, device=None, gate_up_clamp=None,
-                             knob_cache_key="k", max_active_clusters=None, compile_only=True)
-    assert f.fmt == fmt and f.knobs.kernel.startswith("Sm90MegaMoE")
-    with pytest.raises(ValueError, match="fmt"):
-        cls.frontend_class()(fmt="nvfp4", hidden=512, intermediate=256, experts_per_rank=4, top_k=2, capacity=64,
-                             compile_only=True)
+    with pytest.raises(moe_ep.SpecError, match="hidden_size") as e:
+        compile_only_frontend("sm90_fp8_cutedsl", _spec(64, hidden_size=576))
+    assert e.value.argument == "hidden_size"
+    with pytest.raises(moe_ep.SpecError, match="top_k"):
+        compile_only_frontend("sm90_bf16_cutedsl", _spec(64, num_experts=64, top_k=33))
 
 
-def test_bad_geometry_is_refused_before_compiling():
-    from shim.sm90.fp8_frontend import Sm90Fp8Frontend
+def test_a_knob_set_the_kernel_rejects_is_a_typed_error_before_compiling():
+    from shim.common.backend import compile_only_frontend
 
-    with pytest.raises(ValueError, match="hidden=500"):
-        Sm90Fp8Frontend(hidden=500, intermediate=256, experts_per_rank=4, top_k=2, capacity=64, compile_only=True)
-    with pytest.raises(ValueError, match="fmt must be one of"):
-        Sm90Fp8Frontend(fmt="int4", hidden=512, intermediate=256, experts_per_rank=4, top_k=2, capacity=64,
-                        compile_only=True)
+    # The FP8 kernel refuses ping-pong with the non-swap (64, 256, 128) tile (measured on the H200).
+    with pytest.raises(moe_ep.KnobError) as e:
+        compile_only_frontend("sm90_fp8_cutedsl", _spec(1024), knobs=dict(
+            swap_ab=False, mma_tiler_mnk=(64, 256, 128), cluster_shape_mnk=(1, 1, 1), pingpong=True))
+    assert e.value.argument == "knobs"
 
 
 if __name__ == "__main__":

@@ -11,3 +11,7 @@ def sm90_tree():
         return tree.activate("sm90")
     except tree.TreeNotFoundError as e:
         pytest.fail(str(e))
+
+
+# The GPU suites' fixtures (per-rank process group, case log, shared seed), shared with the sm100 suite.
+from tests.support.gpu import case_log, dist_ctx, shared_seed  # noqa: E402,F401

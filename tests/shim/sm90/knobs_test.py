@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+import moe_ep
 from shim.common.knob_cache import KnobCache, cache_key
 
 pytestmark = pytest.mark.usefixtures("sm90_tree")
@@ -10,7 +11,7 @@ pytestmark = pytest.mark.usefixtures("sm90_tree")
 
 def _key(**kw):
     base = dict(arch="sm90", fmt="fp8_block", hidden=7168, intermediate=2048, experts_per_rank=32, top_k=8,
-                world_size=1, capacity=128)
+                world_size=1, max_tokens_per_rank=128)
     base.update(kw)
     return cache_key(**base)
 
@@ -20,7 +21,7 @@ def test_cache_round_trip_and_keys_separate_everything(tmp_path):
     assert c.get(_key()) is None
     c.put(_key(), {"group_hint": 132}, meta={"us": 12.5})
     assert c.get(_key()) == {"group_hint": 132}
-    for other in (dict(capacity=256), dict(world_size=4), dict(fmt="fp8_tensor"), dict(hidden=4096),
+    for other in (dict(max_tokens_per_rank=256), dict(world_size=4), dict(fmt="fp8_tensor"), dict(hidden=4096),
                   dict(intermediate=1024), dict(experts_per_rank=16), dict(top_k=6), dict(arch="sm100")):
         assert _key(**other) != _key()
         assert c.get(_key(**other)) is None
@@ -38,25 +39,26 @@ def test_env_var_names_the_file(tmp_path, monkeypatch):
 def test_corrupt_cache_is_an_error_not_a_silent_default(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"version": 99, "entries": {}}))
-    with pytest.raises(ValueError, match="not a version-1"):
+    with pytest.raises(moe_ep.KnobError, match="not a version-1") as e:
         KnobCache(str(path)).get("k")
+    assert e.value.argument == "MOE_EP_KNOB_CACHE"
 
 
 def test_resolution_order(tmp_path):
-    from shim.sm90.knobs import Fp8Knobs, heuristic_knobs, resolve_knobs
+    from shim.sm90.knobs import Sm90Knobs, heuristic_knobs, resolve_knobs
 
     cache = KnobCache(str(tmp_path / "k.json"))
     heur = heuristic_knobs("fp8_block", 128)
-    k, src = resolve_knobs(None, fmt="fp8_block", capacity=128, cache_key=_key(), cache=cache)
+    k, src = resolve_knobs(None, fmt="fp8_block", max_tokens_per_rank=128, cache_key=_key(), cache=cache)
     assert (k, src) == (heur, "heuristic")
     tuned = heur.replace(group_hint=132, flag_batch=2)
     cache.put(_key(), tuned.to_json())
-    k, src = resolve_knobs(None, fmt="fp8_block", capacity=128, cache_key=_key(), cache=cache)
+    k, src = resolve_knobs(None, fmt="fp8_block", max_tokens_per_rank=128, cache_key=_key(), cache=cache)
     assert (k, src) == (tuned, "cache")
-    k, src = resolve_knobs({"flag_batch": 4}, fmt="fp8_block", capacity=128, cache_key=_key(), cache=cache)
+    k, src = resolve_knobs({"flag_batch": 4}, fmt="fp8_block", max_tokens_per_rank=128, cache_key=_key(), cache=cache)
     assert src == "explicit" and k.flag_batch == 4 and k.mma_tiler_mnk == heur.mma_tiler_mnk
-    explicit = Fp8Knobs(swap_ab=False, mma_tiler_mnk=(64, 256, 128), cluster_shape_mnk=(1, 1, 1))
-    assert resolve_knobs(explicit, fmt="fp8_block", capacity=128, cache_key=_key(), cache=cache) == (explicit, "explicit")
+    explicit = Sm90Knobs(swap_ab=False, mma_tiler_mnk=(64, 256, 128), cluster_shape_mnk=(1, 1, 1))
+    assert resolve_knobs(explicit, fmt="fp8_block", max_tokens_per_rank=128, cache_key=_key(), cache=cache) == (explicit, "explicit")
 
 
 def test_heuristic_follows_the_drop_table_by_capacity():
@@ -83,8 +85,9 @@ def test_invalid_knobs_are_rejected_by_name(bad, knob):
     from shim.sm90.knobs import InvalidKnobsError, resolve_knobs
 
     with pytest.raises(InvalidKnobsError) as e:
-        resolve_knobs(bad, fmt="fp8_block", capacity=128, cache_key="k", cache=KnobCache(None))
+        resolve_knobs(bad, fmt="fp8_block", max_tokens_per_rank=128, cache_key="k", cache=KnobCache(""))
     assert e.value.knob == knob and knob in str(e.value)
+    assert isinstance(e.value, moe_ep.KnobError) and e.value.argument == knob
 
 
 @pytest.mark.parametrize("fmt", ["fp8_block", "bf16"])
@@ -107,9 +110,9 @@ def test_autotune_candidates_are_valid_unique_and_start_with_the_heuristic(fmt, 
 def test_correctness_and_perf_knobs_partition_the_knob_set():
     from dataclasses import fields
 
-    from shim.sm90.knobs import CORRECTNESS_KNOBS, PERF_KNOBS, Fp8Knobs
+    from shim.sm90.knobs import CORRECTNESS_KNOBS, PERF_KNOBS, Sm90Knobs
 
-    names = {f.name for f in fields(Fp8Knobs)}
+    names = {f.name for f in fields(Sm90Knobs)}
     assert set(CORRECTNESS_KNOBS) | set(PERF_KNOBS) == names
     assert not set(CORRECTNESS_KNOBS) & set(PERF_KNOBS)
 

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import moe_ep
+from moe_ep.core.graphs import capture_graph
 from moe_ep.reference.oracle import OUTPUT_TOLERANCE, check_multirank
 from moe_ep.testing.problems import unquantized_reference
-from tests.support.gpu import case_log, dist_ctx, shared_seed  # noqa: F401 (pytest fixtures)
 
 BACKENDS = {"sm90_fp8_cutedsl": ("fp8_block", 1e-2), "sm90_bf16_cutedsl": ("bf16", 5e-3)}
 GEOMS = {
@@ -125,14 +125,7 @@ def test_cuda_graph_replay_matches_eager(layer, case_log, shared_seed):
     static_out = torch.full_like(eager, float("nan"))
     layer.check_values, layer.collective_checks = False, False  # no host syncs inside a capture
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            layer(hidden, idx, w, out=static_out)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            layer(hidden, idx, w, out=static_out)
+        g = capture_graph(lambda: layer(hidden, idx, w, out=static_out))
         static_out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()

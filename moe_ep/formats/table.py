@@ -1,4 +1,5 @@
-"""Quantization format names and the shape rules each imposes. Pure data: the math is moe_ep.reference.quant.
+"""Quantization format names and the shape rules each imposes. Pure data: the codecs are moe_ep.formats.codecs,
+the weight / activation packs moe_ep.formats.packs.
 
 A format names both the expert weights' and the activations' encoding, as the kernels pair them:
   bf16        no quantization; the FC2 input is handed off in bf16.

@@ -1,4 +1,4 @@
-"""The quantization formats the kernels use, in plain torch, and the per-expert FC1 -> SwiGLU -> FC2 chain.
+"""The element and block codecs of the quantization formats, in plain torch.
 
 Every formula mirrors the drop's own torch references (docs/reference.md lists the file and function for
 each); we re-implement rather than import because only shim/ may import the drop. Where the drop's
@@ -13,13 +13,9 @@ exact because e8m0 is a power of two and e2m1 x e4m3 fits in fp32's mantissa).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
-
-from moe_ep.core.formats import check_format, format_info
-from moe_ep.core.weights import QuantizedWeights
 
 __all__ = [
     "E4M3_MAX", "E2M1_MAX", "FP8_ACT_BLOCK_K", "FP8_FC2_ACT_BLOCK_K", "FP8_WEIGHT_BLOCK", "FP8_BLOCK_EPS",
@@ -30,8 +26,6 @@ __all__ = [
     "mxfp8_quantize", "e8m0_to_float", "mxfp8_dequantize",
     "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_dequantize_raw",
     "nvfp4_dequantize", "nvfp4_alpha",
-    "QuantizedActivation", "quantize_weights", "dequantize_weights", "quantize_input", "dequantize_input",
-    "swiglu", "expert_ffn",
 ]
 
 FP8 = torch.float8_e4m3fn
@@ -260,163 +254,3 @@ def nvfp4_dequantize(codes: torch.Tensor, sf: torch.Tensor, global_scale: torch.
 def nvfp4_alpha(g_a: torch.Tensor, g_b: torch.Tensor) -> torch.Tensor:
     """The GEMM epilogue's alpha (the drop's fc1_alpha / fc2_alpha): 1 / (g_a * g_b) in fp32."""
     return torch.reciprocal(g_a.to(torch.float32) * g_b.to(torch.float32))
-
-
-# ------------------------------------------------------------------------------------------------ facades
-@dataclass
-class QuantizedActivation:
-    """Activations as a kernel reads them: q [T, H] (bf16 | e4m3 | e2m1 codes) and per-row block scales
-    (fp8_block fp32 [T, H/128], mxfp8 e8m0 [T, H/32], nvfp4 e4m3 [T, H/16]; None for bf16 / fp8_tensor,
-    whose static scale lives in QuantizedWeights.act_scale)."""
-
-    fmt: str
-    q: torch.Tensor
-    scale: Optional[torch.Tensor] = None
-
-    def rows(self, index: torch.Tensor) -> "QuantizedActivation":
-        return QuantizedActivation(self.fmt, self.q[index], None if self.scale is None else self.scale[index])
-
-
-def quantize_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, *, act_amax: Optional[float] = None,
-                     fc2_act_amax: Optional[float] = None, expert_offset: int = 0) -> QuantizedWeights:
-    """Canonical bf16 [E,2I,H] / [E,H,I] -> the format's QuantizedWeights (see its docstring for layouts)."""
-    check_format(fmt)
-    info = format_info(fmt)
-    if info.static_activation_scales and (act_amax is None or fc2_act_amax is None):
-        from moe_ep.core.errors import CalibrationError
-
-        raise CalibrationError("act_amax" if act_amax is None else "fc2_act_amax",
-                               f"fmt {fmt!r} uses static activation scales: pass the calibrated amax")
-    dev = w13.device
-    if fmt == "bf16":
-        return QuantizedWeights(fmt, w13.to(torch.bfloat16), w2.to(torch.bfloat16), expert_offset=expert_offset)
-    if fmt == "fp8_block":
-        q13, s13 = fp8_quantize_w13_blocks(w13)
-        q2, s2 = fp8_quantize_blocks_nk(w2)
-        return QuantizedWeights(fmt, q13, q2, s13, s2, expert_offset=expert_offset)
-    if fmt == "fp8_tensor":
-        q13, s13 = fp8_quantize_per_expert(w13)
-        q2, s2 = fp8_quantize_per_expert(w2)
-        return QuantizedWeights(fmt, q13, q2, s13, s2, act_scale=fp8_tensor_scale_from_amax(act_amax, dev),
-                                fc2_act_scale=fp8_tensor_scale_from_amax(fc2_act_amax, dev),
-                                expert_offset=expert_offset)
-    if fmt == "mxfp8":
-        q13, s13 = mxfp8_quantize(w13)
-        q2, s2 = mxfp8_quantize(w2)
-        return QuantizedWeights(fmt, q13, q2, s13, s2, expert_offset=expert_offset)
-    # nvfp4
-    e = w13.shape[0]
-    g13 = nvfp4_global_scale(w13.to(torch.float32).abs().reshape(e, -1).amax(dim=1))
-    g2 = nvfp4_global_scale(w2.to(torch.float32).abs().reshape(e, -1).amax(dim=1))
-    q13, s13 = nvfp4_quantize(w13, g13.reshape(e, 1, 1))
-    q2, s2 = nvfp4_quantize(w2, g2.reshape(e, 1, 1))
-    g_in = nvfp4_global_scale(torch.tensor(float(act_amax))).reshape(1).to(dev)
-    g_fc2 = nvfp4_global_scale(torch.full((e,), float(fc2_act_amax))).to(dev)
-    return QuantizedWeights(fmt, q13, q2, s13, s2, g13, g2, act_scale=g_in, fc2_act_scale=g_fc2,
-                            expert_offset=expert_offset)
-
-
-def dequantize_weights(qw: QuantizedWeights) -> Tuple[torch.Tensor, torch.Tensor]:
-    f = qw.fmt
-    if f == "bf16":
-        return qw.w13_q.to(torch.float32), qw.w2_q.to(torch.float32)
-    if f == "fp8_block":
-        i = qw.intermediate_size
-        rows = w13_block_rows(i, device=qw.w13_q.device)
-        s13 = qw.w13_scale.to(torch.float32)[:, rows].repeat_interleave(FP8_WEIGHT_BLOCK, dim=-1)
-        return qw.w13_q.to(torch.float32) * s13, fp8_dequantize_blocks_nk(qw.w2_q, qw.w2_scale)
-    if f == "fp8_tensor":
-        return (qw.w13_q.to(torch.float32) * qw.w13_scale.reshape(-1, 1, 1),
-                qw.w2_q.to(torch.float32) * qw.w2_scale.reshape(-1, 1, 1))
-    if f == "mxfp8":
-        return mxfp8_dequantize(qw.w13_q, qw.w13_scale), mxfp8_dequantize(qw.w2_q, qw.w2_scale)
-    return (nvfp4_dequantize(qw.w13_q, qw.w13_scale, qw.w13_global_scale.reshape(-1, 1, 1)),
-            nvfp4_dequantize(qw.w2_q, qw.w2_scale, qw.w2_global_scale.reshape(-1, 1, 1)))
-
-
-def quantize_input(qw: QuantizedWeights, hidden: torch.Tensor) -> QuantizedActivation:
-    """The FC1 input a kernel stages from bf16 hidden [T, H]."""
-    f = qw.fmt
-    if f == "bf16":
-        return QuantizedActivation(f, hidden)
-    if f == "fp8_block":
-        q, s = fp8_quantize_rows(hidden, FP8_ACT_BLOCK_K, reciprocal=False)
-        return QuantizedActivation(f, q, s)
-    if f == "fp8_tensor":
-        return QuantizedActivation(f, fp8_quantize_static(hidden, qw.act_scale))
-    if f == "mxfp8":
-        q, s = mxfp8_quantize(hidden)
-        return QuantizedActivation(f, q, s)
-    q, s = nvfp4_quantize(hidden, qw.act_scale.reshape(1, 1))
-    return QuantizedActivation(f, q, s)
-
-
-def dequantize_input(qw: QuantizedWeights, act: QuantizedActivation) -> torch.Tensor:
-    f = act.fmt
-    if f == "bf16":
-        return act.q.to(torch.float32)
-    if f == "fp8_block":
-        return fp8_dequantize_rows(act.q, act.scale, FP8_ACT_BLOCK_K)
-    if f == "fp8_tensor":
-        return act.q.to(torch.float32) * qw.act_scale.reshape(())
-    if f == "mxfp8":
-        return mxfp8_dequantize(act.q, act.scale)
-    return nvfp4_dequantize(act.q, act.scale, qw.act_scale.reshape(1, 1))
-
-
-def swiglu(fc1: torch.Tensor, gate_up_clamp: Optional[float]) -> torch.Tensor:
-    """fc1 [M, 2I] fp32 (gate | up) -> [M, I]: up * (gate * sigmoid(gate)), after the optional clamp
-    gate = min(gate, limit), up = clamp(up, -limit, limit) on the dequantized values."""
-    i = fc1.shape[1] // 2
-    gate, up = fc1[:, :i], fc1[:, i:]
-    if gate_up_clamp is not None:
-        limit = abs(float(gate_up_clamp))
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return up * (gate * torch.sigmoid(gate))
-
-
-def expert_ffn(qw: QuantizedWeights, e: int, act: QuantizedActivation, topk_weights: torch.Tensor,
-               gate_up_clamp: Optional[float] = None, apply_topk_in_fc1: bool = True) -> torch.Tensor:
-    """One expert (local index e of qw) over M routed rows -> fp32 [M, H] FC2 output.
-
-    With apply_topk_in_fc1 (the kernels' default) the routing weight multiplies the SwiGLU output before the
-    FC2-input quantization, so the returned term is already weighted; otherwise it is unweighted."""
-    f = qw.fmt
-    m = act.q.shape[0]
-    if f == "bf16":
-        fc1 = act.q.to(torch.float32) @ qw.w13_q[e].to(torch.float32).t()
-    elif f == "fp8_block":
-        rows = w13_block_rows(qw.intermediate_size, device=act.q.device)
-        fc1 = fp8_block_mm(act.q, act.scale, FP8_ACT_BLOCK_K, qw.w13_q[e], qw.w13_scale[e], rows)
-    elif f == "fp8_tensor":
-        raw = act.q.to(torch.float32) @ qw.w13_q[e].to(torch.float32).t()
-        fc1 = raw * qw.act_scale[0] * qw.w13_scale[e]
-    elif f == "mxfp8":
-        fc1 = mxfp8_dequantize(act.q, act.scale) @ mxfp8_dequantize(qw.w13_q[e], qw.w13_scale[e]).t()
-    else:
-        raw = nvfp4_dequantize_raw(act.q, act.scale) @ nvfp4_dequantize_raw(qw.w13_q[e], qw.w13_scale[e]).t()
-        fc1 = raw * nvfp4_alpha(qw.act_scale[0], qw.w13_global_scale[e])
-
-    y = swiglu(fc1, gate_up_clamp)
-    if apply_topk_in_fc1:
-        y = y * topk_weights.to(torch.float32).reshape(m, 1)
-
-    if f == "bf16":
-        return y.to(torch.bfloat16).to(torch.float32) @ qw.w2_q[e].to(torch.float32).t()
-    if f == "fp8_block":
-        q, s = fp8_quantize_rows(y, FP8_FC2_ACT_BLOCK_K, reciprocal=True)
-        h = qw.hidden_size
-        rows = torch.arange(h, device=y.device) // FP8_WEIGHT_BLOCK
-        return fp8_block_mm(q, s, FP8_FC2_ACT_BLOCK_K, qw.w2_q[e], qw.w2_scale[e], rows)
-    if f == "fp8_tensor":
-        q = fp8_quantize_static(y, qw.fc2_act_scale)
-        raw = q.to(torch.float32) @ qw.w2_q[e].to(torch.float32).t()
-        return raw * qw.fc2_act_scale[0] * qw.w2_scale[e]
-    if f == "mxfp8":
-        q, s = mxfp8_quantize(y)
-        return mxfp8_dequantize(q, s) @ mxfp8_dequantize(qw.w2_q[e], qw.w2_scale[e]).t()
-    g = qw.fc2_act_scale[e]
-    q, s = nvfp4_quantize(y, g.reshape(1, 1))
-    raw = nvfp4_dequantize_raw(q, s) @ nvfp4_dequantize_raw(qw.w2_q[e], qw.w2_scale[e]).t()
-    return raw * nvfp4_alpha(g, qw.w2_global_scale[e])

@@ -1,0 +1,134 @@
+"""What every kernel backend does, whatever the tree: the moe_ep.Backend contract over one shim frontend.
+
+At load (prepare_weights) the backend resolves its knob set once -- explicit > the knob cache > the drop's
+heuristic, or a collective tune for knobs="auto" -- and only then builds its one frontend (one workspace),
+lays out the weights and compiles. The arch modules (shim/sm90/backend.py, shim/sm100/backend.py) say which
+frontend serves each format, which geometry rules apply (shim/<arch>/limits.py) and how knobs resolve.
+moe_ep's registry names these classes by lazy strings; moe_ep never imports shim.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import ClassVar, List, Optional, Tuple
+
+from moe_ep.core.backend import Backend
+from moe_ep.core.weights import ExpertWeights
+from moe_ep.formats import QuantizedActivation, QuantizedWeights
+from shim.common.knob_cache import KnobCache, cache_key
+
+__all__ = ["KernelBackend", "compile_only_frontend"]
+
+
+class KernelBackend(Backend):
+    # Set by each arch: its limits module (size_violations) and knobs module (resolve_knobs, the knob type).
+    limits: ClassVar[ModuleType]
+    knobs_module: ClassVar[ModuleType]
+
+    def __init__(self, spec, ctx, fmt: Optional[str] = None, *, knobs=None, max_active_clusters=None,
+                 knob_cache_key: Optional[str] = None, internal_graphs: bool = True):
+        """Backend options (MoELayer(..., **options)): knobs (None | dict | knob set | "auto"),
+        max_active_clusters (default: the device's), knob_cache_key (default: the geometry's key),
+        internal_graphs (one CUDA graph per token count, on by default: see shim/common/frontend.py)."""
+        super().__init__(spec, ctx, fmt)
+        self._internal_graphs = bool(internal_graphs)
+        self.requested_knobs = knobs
+        self.max_active_clusters = max_active_clusters
+        self.knob_cache_key = knob_cache_key or cache_key(
+            arch=self.arch, fmt=self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
+            experts_per_rank=spec.experts_per_rank(ctx.world_size), top_k=spec.top_k, world_size=ctx.world_size,
+            max_tokens_per_rank=spec.max_tokens_per_rank)
+        self.frontend = None
+        self.knob_source: Optional[str] = None
+        self.autotune_result = None
+        self._last_t = 0
+
+    @classmethod
+    def check_spec(cls, spec, fmt: str, world_size: int) -> List[Tuple[str, str]]:
+        return list(super().check_spec(spec, fmt, world_size)) + cls.limits.size_violations(
+            fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size, top_k=spec.top_k)
+
+    # -- per arch / format -----------------------------------------------------------------------------------
+    @staticmethod
+    def frontend_class():
+        raise NotImplementedError
+
+    def autotune(self, weights: ExpertWeights):
+        """knobs="auto" with no cache entry: a collective tune returning the winning knob set."""
+        raise NotImplementedError
+
+    # -- knobs, once, before any workspace -------------------------------------------------------------------
+    def resolve_knobs(self, weights: ExpertWeights):
+        """(knob set, where it came from): explicit > knob cache > heuristic; "auto" tunes on a cache miss."""
+        if self.requested_knobs == "auto":
+            hit = KnobCache().get(self.knob_cache_key)
+            if hit is None:
+                return self.autotune(weights), "autotune"
+        return self.knobs_module.resolve_knobs(self.requested_knobs, fmt=self.fmt,
+                                               max_tokens_per_rank=self.spec.max_tokens_per_rank,
+                                               cache_key=self.knob_cache_key)
+
+    def make_frontend(self, knobs):
+        """A frontend (one workspace) for this layer with the given knob set."""
+        return self.frontend_class()(self.spec, self.ctx, knobs, max_active_clusters=self.max_active_clusters)
+
+    @property
+    def internal_graphs(self) -> bool:
+        """Whether eager calls replay one internal CUDA graph per token count (the default) or launch through the
+        CuTe executor every time (~200 us of host time a call on the H200 host; for comparisons)."""
+        return self._internal_graphs
+
+    @internal_graphs.setter
+    def internal_graphs(self, on: bool) -> None:
+        self._internal_graphs = bool(on)
+        if self.frontend is not None:
+            self.frontend.use_graphs = self._internal_graphs
+
+    # -- the moe_ep.Backend contract -------------------------------------------------------------------------
+    @property
+    def knobs(self):
+        return self.frontend.knobs
+
+    def prepare_weights(self, weights: ExpertWeights) -> None:
+        knobs, self.knob_source = self.resolve_knobs(weights)
+        self.frontend = self.make_frontend(knobs)
+        self.frontend.use_graphs = self._internal_graphs
+        self.frontend.load_weights(weights)
+        self.frontend.compile()
+
+    def forward(self, hidden, topk_idx, topk_weights, out):
+        self._last_t = hidden.shape[0]
+        return self.frontend.forward(hidden, topk_idx, topk_weights, out)
+
+    def oracle_weights(self) -> QuantizedWeights:
+        # Read back from the tensors the kernel is handed, not kept aside.
+        return self.frontend.weights.canonical()
+
+    def staged_activation(self) -> QuantizedActivation:
+        return self.frontend.staged_activation(self._last_t)
+
+    def close(self) -> None:
+        if self.frontend is not None:
+            self.frontend.close()
+
+
+def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=None, rank: int = 0,
+                          world_size: int = 1):
+    """The frontend a layer of `backend` (a registered name or class) would build for `spec`, built for a
+    compile without a GPU (CUTE_DSL_ARCH names the target; tensors are fakes with symbolic extents): what CI
+    compiles every kernel through, and the tuner's and the drop audit's build checks. The spec is checked
+    against the backend's rules first (SpecError), as the layer would; knobs resolve as explicit > heuristic
+    (the user's knob cache is not read, so a compile check does not depend on the machine it runs on)."""
+    from moe_ep.core.dist import RankContext
+    from moe_ep.core.errors import SpecError
+    from moe_ep.core.registry import resolve_backend
+
+    cls = resolve_backend(backend) if isinstance(backend, str) else backend
+    fmt = fmt or cls.weight_formats[0]
+    problems = cls.check_spec(spec, fmt, world_size)
+    if problems:
+        argument, message = problems[0]
+        raise SpecError(argument, f"{message} (backend {cls.name!r})")
+    knob_set, _ = cls.knobs_module.resolve_knobs(knobs, fmt=fmt, max_tokens_per_rank=spec.max_tokens_per_rank,
+                                                 cache_key="", cache=KnobCache(""))
+    return cls.frontend_class()(spec, RankContext.detached(rank, world_size), knob_set, compile_only=True)

@@ -1,0 +1,76 @@
+"""The Blackwell kernel backends moe_ep registers (by lazy string): `sm100_nvfp4_cutedsl`,
+`sm100_mxfp8_cutedsl` and `sm100_bf16_cutedsl`, each over its format's frontend.
+
+NVFP4 scales activations statically: the FC1-input and FC2-input global scales come from the calibrated
+ExpertWeights.act_amax / fc2_act_amax, which the layer requires for the format (CalibrationError without).
+MXFP8: since drop 0.7.4 each launch also re-quantizes the received tokens along the token axis into rank-local
+buffers no forward reads (shim/sm100/mxfp8_frontend.py). BF16: no quantization; the kernel sums the top-k terms.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from moe_ep.core.errors import BackendUnavailableError
+from moe_ep.core.registry import detect_arch
+from shim.common.backend import KernelBackend
+from shim.sm100 import knobs as sm100_knobs
+from shim.sm100 import limits as sm100_limits
+
+__all__ = ["Sm100Backend", "Sm100Nvfp4Backend", "Sm100Mxfp8Backend", "Sm100Bf16Backend"]
+
+
+class Sm100Backend(KernelBackend):
+    arch = "sm100"
+    limits = sm100_limits
+    knobs_module = sm100_knobs
+
+    def __init__(self, spec, ctx, fmt=None, **options):
+        found = detect_arch(ctx.device)
+        if found != "sm100":
+            raise BackendUnavailableError("device", f"{self.name} runs the Blackwell (sm100) kernels; {ctx.device} "
+                                                    f"is {found}")
+        super().__init__(spec, ctx, fmt, **options)
+
+    def autotune(self, weights):
+        # Not silently: the Hopper backends tune here; the sm100 ones have no hardware-measured tuning run behind
+        # them yet, so "auto" on a cache miss takes the measured profile.
+        warnings.warn(f"{self.name}: knobs='auto' does not run a collective autotune on sm100 yet; using the "
+                      "measured profile (a knob cache entry for this geometry would have been used first)",
+                      RuntimeWarning, stacklevel=3)
+        knobs, _ = self.knobs_module.resolve_knobs(None, fmt=self.fmt, max_tokens_per_rank=self.spec.max_tokens_per_rank,
+                                                   cache_key=self.knob_cache_key)
+        return knobs
+
+
+class Sm100Nvfp4Backend(Sm100Backend):
+    name = "sm100_nvfp4_cutedsl"
+    weight_formats = ("nvfp4",)
+
+    @staticmethod
+    def frontend_class():
+        from shim.sm100.nvfp4_frontend import Sm100Nvfp4Frontend
+
+        return Sm100Nvfp4Frontend
+
+
+class Sm100Mxfp8Backend(Sm100Backend):
+    name = "sm100_mxfp8_cutedsl"
+    weight_formats = ("mxfp8",)
+
+    @staticmethod
+    def frontend_class():
+        from shim.sm100.mxfp8_frontend import Sm100Mxfp8Frontend
+
+        return Sm100Mxfp8Frontend
+
+
+class Sm100Bf16Backend(Sm100Backend):
+    name = "sm100_bf16_cutedsl"
+    weight_formats = ("bf16",)
+
+    @staticmethod
+    def frontend_class():
+        from shim.sm100.bf16_frontend import Sm100Bf16Frontend
+
+        return Sm100Bf16Frontend

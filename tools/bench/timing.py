@@ -1,0 +1,70 @@
+"""How the benchmarks time things on the GPU: CUDA-event medians, host time per call, and device time per
+kernel from a profiler trace (what the GPU ran, whatever the host did)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+__all__ = ["cuda_time_us", "host_time_us", "kernel_groups_us", "classify", "FUSED", "REDUCE", "STAGING"]
+
+
+def cuda_time_us(fn: Callable[[], None], iters: int = 30, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def host_time_us(fn: Callable[[], None], iters: int = 20) -> float:
+    """CPU time of one call, median, with the GPU queue far from full (so no call blocks on the GPU)."""
+    torch.cuda.synchronize()
+    cpu = []
+    for _ in range(iters):
+        c0 = time.perf_counter()
+        fn()
+        cpu.append((time.perf_counter() - c0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(cpu)
+
+
+FUSED, REDUCE, STAGING = "MegaMoE fused kernel (drop)", "top-k reduce (drop)", "moe_ep staging (torch ops)"
+
+
+def classify(name: str) -> str:
+    n = name.lower()
+    if "topk_reduce" in n or "topkreduce" in n:
+        return REDUCE
+    if "kernel_cutlass" in n or "megamoe" in n or "cutlass" in n:
+        return FUSED
+    return STAGING
+
+
+def kernel_groups_us(fn, iters: int = 20):
+    """({group: device us per call}, {kernel name: device us per call}) of `fn` (e.g. a graph replay) under
+    torch.profiler: what ran on the GPU, whatever the host did. The drop's kernel alone is FUSED + REDUCE."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per = defaultdict(float)
+    names = defaultdict(float)
+    for ev in prof.key_averages():
+        dt = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if dt and ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[classify(ev.key)] += dt / iters
+            names[ev.key[:80]] += dt / iters
+    return dict(per), dict(names)
