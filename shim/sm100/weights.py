@@ -1,6 +1,6 @@
 """Canonical bf16 expert weights -> the Blackwell kernels' weight layouts (NVFP4, MXFP8, BF16), and back.
 
-The quantization is moe_ep's reference quantizer (`quant.quantize_weights(fmt, ...)`), as in the Hopper
+The quantization is moe_ep's format quantizer (`moe_ep.formats.quantize_weights(fmt, ...)`), as in the Hopper
 shim, so the kernel computes with exactly the bytes the oracle checks against. This module lays them out
 the way the drop's kernels read them (facts from the drop's runners and kernels, 0.7.2.post1; unchanged in 0.7.4):
 
@@ -28,8 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_ep.core.weights import QuantizedWeights
-from moe_ep.reference import quant
+from moe_ep.formats import QuantizedWeights, codecs, packs
 
 __all__ = ["GATE_UP_INTERLEAVE", "SCALE_BLOCK", "SF_ATOM_ROWS", "SF_ATOM_COLS", "Sm100KernelWeights",
            "round_up", "swizzled_scale_numel", "swizzle_scales", "unswizzle_scales", "pack_e2m1", "unpack_e2m1",
@@ -38,7 +37,7 @@ __all__ = ["GATE_UP_INTERLEAVE", "SCALE_BLOCK", "SF_ATOM_ROWS", "SF_ATOM_COLS", 
 # The kernels' SwiGLU gate/up pairing (checked against the drop at kernel build).
 GATE_UP_INTERLEAVE = {"nvfp4": 16, "mxfp8": 32, "bf16": 32}
 # Elements along K per block scale.
-SCALE_BLOCK = {"nvfp4": quant.NVFP4_BLOCK, "mxfp8": quant.MX_BLOCK}
+SCALE_BLOCK = {"nvfp4": codecs.NVFP4_BLOCK, "mxfp8": codecs.MX_BLOCK}
 SF_ATOM_ROWS = 128  # the drop's SfPaddingBlock
 SF_ATOM_COLS = 4
 _SF_ATOM_BYTES = SF_ATOM_ROWS * SF_ATOM_COLS
@@ -134,19 +133,19 @@ class Sm100KernelWeights:
         g = GATE_UP_INTERLEAVE[self.fmt]
         s1, s2 = self.storage()
         if self.fmt == "bf16":
-            return QuantizedWeights("bf16", quant.deinterleave_gate_up(s1.contiguous(), g), s2.contiguous(),
+            return QuantizedWeights("bf16", codecs.deinterleave_gate_up(s1.contiguous(), g), s2.contiguous(),
                                     expert_offset=self.expert_offset)
         if self.fmt == "mxfp8":
-            q13 = quant.deinterleave_gate_up(s1.contiguous().view(torch.uint8), g).view(torch.float8_e4m3fn)
+            q13 = codecs.deinterleave_gate_up(s1.contiguous().view(torch.uint8), g).view(torch.float8_e4m3fn)
             q2 = s2.contiguous()
         else:
-            q13 = quant.deinterleave_gate_up(unpack_e2m1(s1), g)
+            q13 = codecs.deinterleave_gate_up(unpack_e2m1(s1), g)
             q2 = unpack_e2m1(s2)
         e, n2, h = q13.shape
         i = q2.shape[2]
         blk = SCALE_BLOCK[self.fmt]
         sf13 = unswizzle_scales(self.fc1_sf, n2, h // blk)
-        sf13 = quant.deinterleave_gate_up(sf13.view(torch.uint8), g).view(self.fc1_sf.dtype)
+        sf13 = codecs.deinterleave_gate_up(sf13.view(torch.uint8), g).view(self.fc1_sf.dtype)
         sf2 = unswizzle_scales(self.fc2_sf, h, i // blk)
         return QuantizedWeights(self.fmt, q13, q2, sf13, sf2, self.w13_global_scale, self.w2_global_scale,
                                 act_scale=self.act_scale, fc2_act_scale=self.fc2_act_scale,
@@ -157,15 +156,15 @@ def _lay_out(qw: QuantizedWeights) -> Sm100KernelWeights:
     fmt = qw.fmt
     g = GATE_UP_INTERLEAVE[fmt]
     if fmt == "bf16":
-        fc1 = quant.interleave_gate_up(qw.w13_q, g)
+        fc1 = codecs.interleave_gate_up(qw.w13_q, g)
         return Sm100KernelWeights(fmt, qw.expert_offset, fc1.transpose(1, 2), qw.w2_q.contiguous().transpose(1, 2))
     if fmt == "mxfp8":
-        fc1 = quant.interleave_gate_up(qw.w13_q.view(torch.uint8), g).view(torch.float8_e4m3fn)
+        fc1 = codecs.interleave_gate_up(qw.w13_q.view(torch.uint8), g).view(torch.float8_e4m3fn)
         fc2 = qw.w2_q.contiguous()
     else:
-        fc1 = pack_e2m1(quant.interleave_gate_up(qw.w13_q, g))
+        fc1 = pack_e2m1(codecs.interleave_gate_up(qw.w13_q, g))
         fc2 = pack_e2m1(qw.w2_q)
-    sf13 = quant.interleave_gate_up(qw.w13_scale.view(torch.uint8), g).view(qw.w13_scale.dtype)
+    sf13 = codecs.interleave_gate_up(qw.w13_scale.view(torch.uint8), g).view(qw.w13_scale.dtype)
     kw = Sm100KernelWeights(fmt, qw.expert_offset, fc1.transpose(1, 2), fc2.transpose(1, 2),
                             fc1_sf=swizzle_scales(sf13), fc2_sf=swizzle_scales(qw.w2_scale))
     if fmt == "nvfp4":
@@ -174,9 +173,9 @@ def _lay_out(qw: QuantizedWeights) -> Sm100KernelWeights:
         g_fc2 = qw.fc2_act_scale.reshape(e).to(torch.float32)
         kw.w13_global_scale, kw.w2_global_scale = qw.w13_global_scale, qw.w2_global_scale
         kw.act_scale, kw.fc2_act_scale = g_in, g_fc2
-        kw.fc1_alpha = quant.nvfp4_alpha(g_in.expand(e), qw.w13_global_scale).contiguous()
+        kw.fc1_alpha = codecs.nvfp4_alpha(g_in.expand(e), qw.w13_global_scale).contiguous()
         kw.fc1_norm_const = g_fc2.clone()
-        kw.fc2_alpha = quant.nvfp4_alpha(g_fc2, qw.w2_global_scale).contiguous()
+        kw.fc2_alpha = codecs.nvfp4_alpha(g_fc2, qw.w2_global_scale).contiguous()
     return kw
 
 
@@ -187,7 +186,7 @@ def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch
     act_amax / fc2_act_amax: NVFP4's static activation calibration (CalibrationError without them)."""
     if fmt not in GATE_UP_INTERLEAVE:
         raise ValueError(f"fmt must be one of {sorted(GATE_UP_INTERLEAVE)}, got {fmt!r}")
-    qw = quant.quantize_weights(fmt, w13.to(device), w2.to(device), act_amax=act_amax, fc2_act_amax=fc2_act_amax,
+    qw = packs.quantize_weights(fmt, w13.to(device), w2.to(device), act_amax=act_amax, fc2_act_amax=fc2_act_amax,
                                 expert_offset=expert_offset)
     return _lay_out(qw)
 
