@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable, Dict, List, Tuple
 
+from shim.common import tree as _tree
+
 __all__ = ["lazy_attributes"]
 
 
@@ -18,7 +20,9 @@ def lazy_attributes(module_name: str, table: Dict[str, Tuple[str, str]],
             source, attr = table[name]
         except KeyError:
             raise AttributeError(f"module {module_name!r} has no attribute {name!r}") from None
-        value = getattr(importlib.import_module(source), attr)
+        module = importlib.import_module(source)
+        _tree.check_module(module)  # a kernel module must come from the verified tree's root (TreeConflictError)
+        value = getattr(module, attr)
         namespace[name] = value
         return value
 

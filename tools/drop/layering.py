@@ -3,15 +3,40 @@ visibility (sys.path, importlib), so every module of the repo is scanned.
 
 Rules:
   1. Only modules under shim/ name kernel top-level modules (import, from-import,
-     importlib.import_module / __import__ with a literal) or put a kernel tree on
-     sys.path. `common` and `src` are kernel names here, so the repo itself must
-     have no top-level package by those (or any other kernel) names.
+     importlib.import_module / __import__ / importlib.util.find_spec /
+     runpy.run_module with a literal, or an import inside a literal given to
+     exec / eval / compile) or put a kernel tree on sys.path. `common` and `src`
+     are kernel names here, so the repo itself must have no top-level package by
+     those (or any other kernel) names.
   2. moe_ep/core imports neither shim nor a kernel tree.
   3. No module imports both trees: not shim.sm90 and shim.sm100 together, and
      not the Hopper-only and Blackwell-only kernel packages together.
   4. shim/sm90 never reaches the Blackwell side (shim.sm100 or sm100-only kernel
      packages) and shim/sm100 never the Hopper side; shim/common, being
      tree-agnostic, names only kernel packages both trees have.
+  5. Outside shim/, no computed import (`computed-import`): import_module /
+     __import__ / find_spec / run_module with a name that is not a literal, a
+     module loaded from a computed path (spec_from_file_location, *FileLoader,
+     runpy.run_path), exec / eval / compile of computed code. A name whose literal
+     head fixes a non-kernel package (f"moe_ep.{x}", "shim." + x) is fine. The
+     known dispatchers are allow-listed by call site in COMPUTED_IMPORT_ALLOWED,
+     with the reason; a changed call is a new call and is flagged again.
+  6. Outside shim/, no sys.path mutation in any form (`sys-path`, or
+     `kernel-path` when it names a kernel tree): insert / append / extend / remove /
+     pop / clear / sort / reverse, item and slice assignment (`sys.path[:0] = ...`),
+     `sys.path = ...`, `+=`, `del`, setattr(sys, "path", ...), the same through an
+     alias (`p = sys.path`, `from sys import path`), site.addsitedir. Allow-listed
+     call sites: SYS_PATH_ALLOWED.
+  7. Outside shim/ and tools/launch/, no write of PYTHONPATH into an environment
+     (`pythonpath`: env["PYTHONPATH"] = ..., dict(os.environ, PYTHONPATH=...),
+     .update / .setdefault / os.putenv, {"PYTHONPATH": ...}) except forwarding
+     this interpreter's own path unchanged: os.pathsep.join(sys.path) or a
+     filtered comprehension over sys.path (a child then sees nothing new).
+Files exempt from rules 1 and 5-7 (tests that bypass on purpose): EXEMPT_FILES.
+What stays out of reach of a source scan: code in a string run by a child
+interpreter (`python -c CODE`); strings are data here. At run time
+shim/common/tree.py refuses any kernel module that does not come from the one
+verified tree root, whatever imported it.
 The Bazel graph has its own check (a query test); this one covers what Python
 can do that Bazel does not see.
 """
@@ -20,8 +45,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import textwrap
 from pathlib import Path
-from typing import Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 from tools.drop.trees import KERNEL_TOP_LEVEL, TREES
 
@@ -35,6 +61,56 @@ SHARED = frozenset(TREES["sm90"].default_packages & TREES["sm100"].default_packa
 _TREE_MARKERS = ("kernel_src", "cutedsl_megamoe", "pull_style_cutedsl_megakernel", "MOE_EP_SM90_TREE", "MOE_EP_SM100_TREE")
 
 _SKIP_DIRS = {"__pycache__", "node_modules"}
+
+# Computed imports outside shim/ that are allowed: (file, the call as ast.unparse prints it) -> why. Each
+# dispatcher below loads names handed to it; what guards it: every "module:attr" literal outside shim/ (the
+# form both take) is checked not to name a kernel module (rule `kernel-target`), and at run time the tree guard
+# (shim/common/tree.py) refuses any kernel module from outside the one verified tree root.
+COMPUTED_IMPORT_ALLOWED: Dict[Tuple[str, str], str] = {
+    ("moe_ep/core/registry.py", "importlib.import_module(module)"):
+        "the backend registry resolves registered 'module:attr' targets (kernel-target rule on every literal)",
+    ("moe_ep/core/registry.py", "importlib.util.find_spec(module)"):
+        "the backend registry asks whether a registered target's module is installed, importing nothing of it",
+    ("tools/launch/worker.py", "importlib.import_module(mod_name)"):
+        "the launcher's rank worker loads its 'module:attr' target (kernel-target rule on every literal)",
+    ("tools/launch/worker.py",
+     "importlib.util.spec_from_file_location(f'_moe_ep_rank_target_{Path(mod_name).stem}', mod_name)"):
+        "the launcher's rank worker loads a target given as a file path (a test or tool of this repo, itself scanned)",
+    ("tests/foundation/python_env_test.py", "__import__(module)"):
+        "imports the locked runtime packages named in its parametrize list (numpy, cutlass, cuda.bindings, nvshmem)",
+}
+
+# sys.path mutations outside shim/ that are allowed: (file, the statement or call as ast.unparse prints it) -> why.
+_REPO_ROOT_INSERT = "sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..')))"
+SYS_PATH_ALLOWED: Dict[Tuple[str, str], str] = {
+    ("tools/diag/sm90_fp8_first_light.py", _REPO_ROOT_INSERT):
+        "a diagnostic run as `python tools/diag/x.py` from a checkout: puts the checkout root (never a kernel tree) "
+        "first, so `import moe_ep` / `import shim` resolve; the kernel tree still comes only through the shim",
+    ("tools/diag/sm90_fp8_diag_tokens.py", _REPO_ROOT_INSERT):
+        "a diagnostic run as `python tools/diag/x.py` from a checkout: puts the checkout root (never a kernel tree) "
+        "first, so `import moe_ep` / `import shim` resolve; the kernel tree still comes only through the shim",
+}
+
+# Files outside shim/ that rules 1 and 5-7 leave alone, each with the reason: tests whose job is to get around
+# the layering on purpose, to prove the run-time tree guard catches what this scan cannot.
+EXEMPT_FILES: Dict[str, str] = {
+    "tests/shim/common/tree_integrity_test.py":
+        "the tree guard's own test: it imports kernel names from stand-in trees and edits sys.path by hand, "
+        "in-process, to prove shim/common/tree.py refuses a second root and an unverified tree",
+}
+
+# Where writing PYTHONPATH into a child's environment is the job (the GPU launcher).
+PYTHONPATH_WRITERS = ("tools/launch",)
+
+# name -> (positional index, keyword) of the argument that names a module / a file to load.
+_IMPORT_CALLS = {"import_module": (0, "name"), "__import__": (0, "name"), "find_spec": (0, "name"),
+                 "run_module": (0, "mod_name")}
+_PATH_LOAD_CALLS = {"spec_from_file_location": (1, "location"), "SourceFileLoader": (1, "path"),
+                    "SourcelessFileLoader": (1, "path"), "ExtensionFileLoader": (1, "path"),
+                    "run_path": (0, "path_name")}
+_CODE_CALLS = {"exec": (0, "source"), "eval": (0, "source"), "compile": (0, "source")}  # builtins only
+_PATH_MUTATORS = {"insert", "append", "extend", "remove", "pop", "clear", "sort", "reverse", "__setitem__",
+                  "__delitem__", "__iadd__"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +140,72 @@ def _module_name(rel: Path) -> Tuple[str, bool]:
     return ".".join(parts), is_pkg
 
 
-def _imports(tree: ast.Module, module: str, is_pkg: bool) -> Iterator[Tuple[int, str, str]]:
-    """(line, absolute module, how) for every import-like statement in the file."""
+def _call_name(func: ast.expr) -> Optional[str]:
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+
+
+def _call_arg(node: ast.Call, index: int, keyword: str) -> Optional[ast.expr]:
+    if len(node.args) > index and not any(isinstance(a, ast.Starred) for a in node.args[: index + 1]):
+        return node.args[index]
+    for kw in node.keywords:
+        if kw.arg == keyword:
+            return kw.value
+    return None
+
+
+def _literal(node: Optional[ast.expr]) -> Optional[str]:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _leading_literal(node: ast.expr) -> Tuple[str, bool]:
+    """The literal text a str expression starts with, and whether that is all of it."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value, True
+    if isinstance(node, ast.JoinedStr):
+        text = ""
+        for part in node.values:
+            if not (isinstance(part, ast.Constant) and isinstance(part.value, str)):
+                return text, False
+            text += part.value
+        return text, True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, whole = _leading_literal(node.left)
+        if not whole:
+            return left, False
+        right, whole = _leading_literal(node.right)
+        return left + right, whole
+    return "", False
+
+
+def _code_calls(tree: ast.AST) -> Iterator[Tuple[ast.Call, str]]:
+    """Calls that import or run code by name, path or source: (call, kind) with kind import / path / code."""
     for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = _call_name(node.func)
+        if name in _IMPORT_CALLS:
+            yield node, "import"
+        elif name in _PATH_LOAD_CALLS:
+            yield node, "path"
+        elif name in _CODE_CALLS and isinstance(node.func, ast.Name):
+            yield node, "code"
+
+
+def _parse_literal_code(text: str) -> Optional[ast.Module]:
+    try:
+        return ast.parse(textwrap.dedent(text))
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _imports(tree: ast.Module, module: str, is_pkg: bool, line: Optional[int] = None) -> Iterator[Tuple[int, str, str]]:
+    """(line, absolute module, how) for every import-like statement in the file (and in literal code it runs
+    through exec / eval / compile; `line` then pins them to the call)."""
+    for node in ast.walk(tree):
+        at = line or getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name, "import"
+                yield at, alias.name, "import"
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 base = node.module or ""
@@ -77,30 +213,175 @@ def _imports(tree: ast.Module, module: str, is_pkg: bool) -> Iterator[Tuple[int,
                 pkg = module.split(".") if is_pkg else module.split(".")[:-1]
                 pkg = pkg[: len(pkg) - (node.level - 1)] if node.level > 1 else pkg
                 base = ".".join(pkg + ([node.module] if node.module else []))
-            yield node.lineno, base, "from"
+            yield at, base, "from"
             # `from shim import sm90` reaches shim.sm90 as well.
             for alias in node.names:
                 if alias.name != "*":
-                    yield node.lineno, f"{base}.{alias.name}" if base else alias.name, "from"
-        elif isinstance(node, ast.Call):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            if name in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
-                if isinstance(node.args[0].value, str) and not node.args[0].value.startswith("."):
-                    yield node.lineno, node.args[0].value, "dynamic"
+                    yield at, f"{base}.{alias.name}" if base else alias.name, "from"
+    for node, kind in _code_calls(tree):
+        at = line or node.lineno
+        if kind == "import":
+            name = _literal(_call_arg(node, *_IMPORT_CALLS[_call_name(node.func)]))
+            if name and not name.startswith("."):
+                yield at, name, "dynamic"
+        elif kind == "code":
+            code = _parse_literal_code(_literal(_call_arg(node, *_CODE_CALLS[node.func.id])) or "")
+            if code is not None:
+                yield from _imports(code, module, is_pkg, at)
 
 
-def _path_edits(tree: ast.Module) -> Iterator[Tuple[int, str]]:
-    """sys.path insert/append/extend and site.addsitedir calls whose argument names a kernel tree."""
+def _computed_imports(tree: ast.Module, kernel: Set[str]) -> Iterator[Tuple[int, str, str]]:
+    """(line, call source, what) for each import / load / exec whose target is computed."""
+    for node, kind in _code_calls(tree):
+        name = _call_name(node.func)
+        if kind == "import":
+            arg = _call_arg(node, *_IMPORT_CALLS[name])
+            if arg is not None and _literal(arg) is not None:
+                continue
+            head, _ = _leading_literal(arg) if arg is not None else ("", False)
+            top = head.split(".")[0]
+            if "." in head and top.isidentifier() and top not in kernel:
+                continue  # the literal head fixes a package of this repo or a library, never a kernel one
+            yield node.lineno, ast.unparse(node), f"{name}() of a computed module name"
+        elif kind == "path":
+            if _literal(_call_arg(node, *_PATH_LOAD_CALLS[name])) is None:
+                yield node.lineno, ast.unparse(node), f"{name}() of a computed path"
+        elif _literal(_call_arg(node, *_CODE_CALLS[name])) is None:
+            yield node.lineno, ast.unparse(node), f"{name}() of computed code"
+
+
+def _kernel_paths(tree: ast.Module) -> Iterator[Tuple[int, str]]:
+    """Modules loaded from a literal path inside a kernel tree (spec_from_file_location, run_path, ...)."""
+    for node, kind in _code_calls(tree):
+        if kind == "path":
+            path = _literal(_call_arg(node, *_PATH_LOAD_CALLS[_call_name(node.func)])) or ""
+            if any(m in path for m in _TREE_MARKERS):
+                yield node.lineno, ast.unparse(node)
+
+
+class _SysPath:
+    """Which expressions of one file denote sys.path (aliases of sys and of its path list included)."""
+
+    def __init__(self, tree: ast.Module):
+        self.sys_names = {"sys"}
+        self.path_names: Set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                self.sys_names |= {a.asname for a in node.names if a.name == "sys" and a.asname}
+            elif isinstance(node, ast.ImportFrom) and node.module == "sys" and node.level == 0:
+                self.path_names |= {a.asname or a.name for a in node.names if a.name == "path"}
+        for _ in range(2):  # p = sys.path; q = p
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and self.is_path(node.value):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    self.path_names |= {t.id for t in targets if isinstance(t, ast.Name)}
+
+    def is_sys(self, node: ast.expr) -> bool:
+        return isinstance(node, ast.Name) and node.id in self.sys_names
+
+    def is_path(self, node: ast.expr) -> bool:
+        if isinstance(node, ast.Attribute) and node.attr == "path" and self.is_sys(node.value):
+            return True
+        if isinstance(node, ast.Name) and node.id in self.path_names:
+            return True
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" and len(node.args) >= 2
+                and self.is_sys(node.args[0]) and _literal(node.args[1]) == "path"):
+            return True
+        if isinstance(node, ast.Subscript) and _literal(node.slice) == "path":  # sys.__dict__["path"], vars(sys)[...]
+            inner = node.value
+            return ((isinstance(inner, ast.Attribute) and inner.attr == "__dict__" and self.is_sys(inner.value))
+                    or (isinstance(inner, ast.Call) and getattr(inner.func, "id", None) == "vars"
+                        and inner.args and self.is_sys(inner.args[0])))
+        return False
+
+    def is_rebinding(self, target: ast.expr) -> bool:
+        """An assignment target that changes sys.path: `sys.path = ...`, `sys.path[...] = ...`, `p[...] = ...`."""
+        if isinstance(target, ast.Attribute) and target.attr == "path" and self.is_sys(target.value):
+            return True
+        if isinstance(target, ast.Subscript) and self.is_path(target.value):
+            return True
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return any(self.is_rebinding(t) for t in target.elts)
+        if isinstance(target, ast.Starred):
+            return self.is_rebinding(target.value)
+        return False
+
+
+def _path_edits(tree: ast.Module) -> Iterator[Tuple[int, str, str]]:
+    """(line, source, rule) for every sys.path mutation; rule kernel-path when it names a kernel tree."""
+    sp = _SysPath(tree)
     for node in ast.walk(tree):
-        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        hit: Optional[ast.AST] = None
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in _PATH_MUTATORS and sp.is_path(func.value):
+                hit = node
+            elif _call_name(func) == "addsitedir":
+                hit = node
+            elif (getattr(func, "id", None) == "setattr" and len(node.args) >= 2 and sp.is_sys(node.args[0])
+                  and _literal(node.args[1]) == "path"):
+                hit = node
+        elif isinstance(node, ast.Assign) and any(sp.is_rebinding(t) for t in node.targets):
+            hit = node
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and (
+                sp.is_rebinding(node.target) or (isinstance(node, ast.AugAssign) and sp.is_path(node.target))):
+            hit = node
+        elif isinstance(node, ast.Delete) and any(sp.is_rebinding(t) for t in node.targets):
+            hit = node
+        if hit is not None:
+            text = ast.unparse(hit)
+            yield hit.lineno, text, "kernel-path" if any(m in text for m in _TREE_MARKERS) else "sys-path"
+
+
+def _forwards_own_path(value: Optional[ast.expr], sp: _SysPath) -> bool:
+    """os.pathsep.join(sys.path) or os.pathsep.join(p for p in sys.path if ...): this interpreter's path as is."""
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "join"
+            and ast.unparse(value.func.value) == "os.pathsep" and len(value.args) == 1 and not value.keywords):
+        return False
+    arg = value.args[0]
+    if sp.is_path(arg):
+        return True
+    if isinstance(arg, (ast.ListComp, ast.GeneratorExp)) and len(arg.generators) == 1:
+        gen = arg.generators[0]
+        return (sp.is_path(gen.iter) and isinstance(gen.target, ast.Name) and isinstance(arg.elt, ast.Name)
+                and arg.elt.id == gen.target.id)
+    return False
+
+
+def _pythonpath_writes(tree: ast.Module) -> Iterator[Tuple[int, str]]:
+    """(line, source) for every write of PYTHONPATH into an environment mapping, except plain forwarding."""
+    sp = _SysPath(tree)
+    for node in ast.walk(tree):
+        value: Optional[ast.expr] = None
+        hit = False
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Subscript) and _literal(t.slice) == "PYTHONPATH" for t in targets):
+                hit, value = True, (node.value if isinstance(node, ast.Assign) else None)
+        elif isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg == "PYTHONPATH":
+                    hit, value = True, kw.value
+            name = _call_name(node.func)
+            if name in ("putenv", "setdefault") and len(node.args) >= 2 and _literal(node.args[0]) == "PYTHONPATH":
+                hit, value = True, node.args[1]
+        elif isinstance(node, ast.Dict):
+            for key, val in zip(node.keys, node.values):
+                if _literal(key) == "PYTHONPATH":
+                    hit, value = True, val
+        if hit and not _forwards_own_path(value, sp):
+            yield node.lineno, ast.unparse(node)
+
+
+def _kernel_targets(tree: ast.Module, kernel: Set[str]) -> Iterator[Tuple[int, str]]:
+    """'module:attr' literals (what the registry and the launcher resolve) naming a kernel module."""
+    for node in ast.walk(tree):
+        text = _literal(node) if isinstance(node, ast.Constant) else None
+        if not text or text.count(":") != 1:
             continue
-        target = ast.unparse(node.func)
-        if target not in ("sys.path.insert", "sys.path.append", "sys.path.extend", "site.addsitedir"):
-            continue
-        text = " ".join(ast.unparse(a) for a in node.args)
-        if any(m in text for m in _TREE_MARKERS):
-            yield node.lineno, target
+        mod, attr = text.split(":")
+        if mod and attr.isidentifier() and all(p.isidentifier() for p in mod.split(".")) and mod.split(".")[0] in kernel:
+            yield node.lineno, text
 
 
 def _top(name: str) -> str:
@@ -137,15 +418,32 @@ def check_layering(repo_root: Path, kernel_names: Optional[Set[str]] = None) -> 
         shim90 = [(line, n) for line, n, _ in imports if n == "shim.sm90" or n.startswith("shim.sm90.")]
         shim100 = [(line, n) for line, n, _ in imports if n == "shim.sm100" or n.startswith("shim.sm100.")]
 
-        if not in_shim:
+        if not in_shim and f not in EXEMPT_FILES:
             seen: Set[Tuple[int, str]] = set()
             for line, name, how in kernel_hits:
                 if (line, _top(name)) in seen:
                     continue
                 seen.add((line, _top(name)))
                 out.append(Violation(f, line, "kernel-import", f"`{name}` ({how}) names a kernel module outside shim/"))
-            for line, call in _path_edits(tree):
-                out.append(Violation(f, line, "kernel-path", f"{call} puts a kernel tree on sys.path outside shim/"))
+            for line, text in _kernel_targets(tree, kernel):
+                out.append(Violation(f, line, "kernel-target", f"'{text}' names a kernel module for a dispatcher to "
+                                                               "load, outside shim/"))
+            for line, call, what in _computed_imports(tree, kernel):
+                if (f, call) not in COMPUTED_IMPORT_ALLOWED:
+                    out.append(Violation(f, line, "computed-import", f"{what} outside shim/ (`{call}`): name the module "
+                                                                     "literally, or allow-list the call site in "
+                                                                     "tools/drop/layering.py with the reason"))
+            for line, call in _kernel_paths(tree):
+                out.append(Violation(f, line, "kernel-path", f"`{call}` loads a kernel tree file outside shim/"))
+            for line, text, rule in _path_edits(tree):
+                if (f, text) not in SYS_PATH_ALLOWED:
+                    out.append(Violation(f, line, rule, f"`{text}` changes sys.path outside shim/ (only "
+                                                        "shim/common/tree.py puts a kernel tree there); allow-list "
+                                                        "the call site in tools/drop/layering.py with the reason"))
+            if not any(_under(rel, d) for d in PYTHONPATH_WRITERS):
+                for line, text in _pythonpath_writes(tree):
+                    out.append(Violation(f, line, "pythonpath", f"`{text}` writes PYTHONPATH outside tools/launch/ "
+                                                                "(forwarding os.pathsep.join(sys.path) as is is fine)"))
 
         if _under(rel, "moe_ep/core"):
             for line, name, how in imports:
