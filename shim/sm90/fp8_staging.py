@@ -78,10 +78,9 @@ DEFAULT_CONFIG = dict(block_m=32, blocks_per_program=1, num_warps=4)
 
 _BACKENDS = ("auto", "triton", "torch")
 
-# fp32 bit patterns used by the encoding (c10's constants): 480.0 (first value past e4m3's range, where the
-# NaN code starts), 448.0, 2^-6 (smallest e4m3 normal), 2^14 (the subnormal rounding magic), and the
-# exponent rebias (7 - 127) << 23.
-_F32_480 = 1087 << 20
+# fp32 bit patterns used by the encoding: 448.0 (saturation: the reference clamps before its cast, so c10's own
+# NaN threshold at 480 is never reached), 2^-6 (smallest e4m3 normal), 2^14 (the subnormal rounding magic), and
+# the exponent rebias (7 - 127) << 23.
 _F32_448 = 0x43E00000
 _F32_2M6 = 121 << 23
 _F32_2P14 = 141 << 23
