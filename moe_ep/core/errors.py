@@ -63,7 +63,7 @@ class NonContiguousError(InputError):
 
 
 class ExpertIndexError(InputError):
-    """An expert id is negative or >= num_experts."""
+    """An expert id is below -1 or >= num_experts (-1 means "no expert" for that slot)."""
 
 
 class CapacityError(InputError):

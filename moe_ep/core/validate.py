@@ -68,7 +68,8 @@ def validate_spec_for_backend(spec: MoESpec, backend_cls, fmt: str, world_size: 
 
 def validate_forward(spec: MoESpec, ctx: RankContext, hidden, topk_idx, topk_weights, out=None,
                      check_values: bool = True) -> int:
-    """Returns T. Checks type, device, dtype, shape, contiguity, top_k, capacity, then expert-id range."""
+    """Returns T. Checks type, device, dtype, shape, contiguity, top_k, capacity, then expert-id range:
+    ids in [0, num_experts), or -1 for "no expert" (padding, a masked slot; it contributes nothing)."""
     hidden = _tensor("hidden", hidden)
     topk_idx = _tensor("topk_idx", topk_idx)
     topk_weights = _tensor("topk_weights", topk_weights)
@@ -109,8 +110,8 @@ def validate_forward(spec: MoESpec, ctx: RankContext, hidden, topk_idx, topk_wei
     if check_values and t > 0:
         lo = int(topk_idx.min())
         hi = int(topk_idx.max())
-        if lo < 0:
-            raise ExpertIndexError("topk_idx", f"expert ids must be >= 0, got {lo}")
+        if lo < -1:
+            raise ExpertIndexError("topk_idx", f"expert ids must be >= -1 (-1: no expert for that slot), got {lo}")
         if hi >= spec.num_experts:
             raise ExpertIndexError("topk_idx", f"expert ids must be < num_experts={spec.num_experts}, got {hi}")
     return t

@@ -72,20 +72,23 @@ class TorchReferenceBackend(Backend):
         self._staged = act if self._keep_staged else None
 
         idx = topk_idx.reshape(-1).to(torch.int64)
-        dest = torch.div(idx, e_local, rounding_mode="floor")
-        order = torch.argsort(dest, stable=True)
+        # A -1 slot names no expert: it is sent nowhere and its term stays zero (a row of -1 comes back zero).
+        live = (idx >= 0).nonzero().squeeze(1)
+        dest = torch.div(idx[live], e_local, rounding_mode="floor")
+        order = live[torch.argsort(dest, stable=True)]
+        dest = torch.div(idx[order], e_local, rounding_mode="floor")
         send_counts = torch.bincount(dest, minlength=ctx.world_size)
         token = torch.div(order, k, rounding_mode="floor")
         sent = act.rows(token)
         rows = [sent.q] + ([sent.scale] if sent.scale is not None else [])
-        rows += [(idx[order] - dest[order] * e_local).to(torch.int32), topk_weights.reshape(-1)[order].contiguous()]
+        rows += [(idx[order] - dest * e_local).to(torch.int32), topk_weights.reshape(-1)[order].contiguous()]
         recv, recv_counts = all_to_all_rows(ctx, rows, send_counts)
 
         r_act = QuantizedActivation(act.fmt, recv[0], recv[1] if sent.scale is not None else None)
         terms = self.compute_experts(qw, r_act, recv[-2].to(torch.int64), recv[-1])
 
         (back,), _ = all_to_all_rows(ctx, [terms], recv_counts)
-        per_pair = torch.empty((t * k, spec.hidden_size), dtype=torch.bfloat16, device=hidden.device)
+        per_pair = torch.zeros((t * k, spec.hidden_size), dtype=torch.bfloat16, device=hidden.device)
         per_pair[order] = back
         out.copy_(ffn.combine_terms(per_pair.view(t, k, spec.hidden_size), topk_weights, self._apply_topk))
         return out

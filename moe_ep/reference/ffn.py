@@ -75,7 +75,8 @@ def expert_ffn(qw: QuantizedWeights, e: int, act: QuantizedActivation, topk_weig
 
 def combine_terms(terms: torch.Tensor, topk_weights: torch.Tensor, weighted: bool) -> torch.Tensor:
     """terms [T, K, H] (bf16 values) -> [T, H] bf16: fp32 sum in slot order, as the kernels' top-k reduce.
-    weighted=True means the routing weights are already inside the terms."""
+    weighted=True means the routing weights are already inside the terms. A -1 slot's term is zero (the
+    backends never fill it), so it adds nothing in either mode."""
     t, k, h = terms.shape
     acc = torch.zeros((t, h), dtype=torch.float32, device=terms.device)
     terms = terms.to(torch.float32)

@@ -52,7 +52,7 @@ def _exact_matmul():
 def oracle_forward(qw: QuantizedWeights, hidden, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
                    gate_up_clamp: Optional[float] = None, apply_topk_in_fc1: bool = True) -> torch.Tensor:
     """Single-process MoE forward: hidden (bf16 [T, H], or the QuantizedActivation a backend staged) routed
-    over qw's experts (global ids from qw.expert_offset) -> [T, H] bf16."""
+    over qw's experts (global ids from qw.expert_offset) -> [T, H] bf16. A -1 slot contributes nothing."""
     act = hidden if isinstance(hidden, QuantizedActivation) else packs.quantize_input(qw, hidden)
     t, k = topk_idx.shape
     h = qw.hidden_size
@@ -60,6 +60,8 @@ def oracle_forward(qw: QuantizedWeights, hidden, topk_idx: torch.Tensor, topk_we
     idx = topk_idx.to(torch.int64)
     with _exact_matmul():
         for e in torch.unique(idx).tolist():
+            if e < 0:
+                continue  # -1: no expert; the slot's term stays zero
             tok, slot = (idx == e).nonzero(as_tuple=True)
             local = e - qw.expert_offset
             if not 0 <= local < qw.num_experts:

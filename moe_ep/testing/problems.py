@@ -19,7 +19,9 @@ __all__ = ["ROUTINGS", "Problem", "make_routing", "unquantized_reference"]
 # uniform:   K distinct experts per token, uniformly at random
 # skewed:    ~90% of tokens send every slot they can to one rank's experts (the hot rank)
 # no_local:  no token picks an expert of its own rank (everything crosses ranks)
-ROUTINGS = ("balanced", "uniform", "skewed", "no_local")
+# masked:    uniform, then about a quarter of the slots set to -1 ("no expert", as engines pad and expert-load
+#            balancers mask) and every fifth token masked entirely (its output is zero)
+ROUTINGS = ("balanced", "uniform", "skewed", "no_local", "masked")
 
 
 def _gen(*key: int) -> torch.Generator:
@@ -49,9 +51,12 @@ def make_routing(kind: str, tokens: int, num_experts: int, top_k: int, world_siz
             if num_experts - e_local < top_k:
                 raise ValueError("no_local routing needs num_experts - experts_per_rank >= top_k")
             scores[:, rank * e_local:(rank + 1) * e_local] = -1.0
-        elif kind != "uniform":
+        elif kind not in ("uniform", "masked"):
             raise ValueError(f"routing must be one of {ROUTINGS}, got {kind!r}")
         idx = scores.topk(top_k, dim=1).indices
+        if kind == "masked":
+            idx = idx.masked_fill(torch.rand((tokens, top_k), generator=g) < 0.25, -1)
+            idx[::5] = -1
     weights = torch.softmax(torch.randn((tokens, top_k), generator=g), dim=1).to(torch.float32)
     return idx.to(torch.int64).contiguous(), weights.contiguous()
 
@@ -108,6 +113,8 @@ class Problem:
                 continue
             act_amax = max(act_amax, float(hidden.float().abs().max()))
             for e in torch.unique(idx).tolist():
+                if e < 0:
+                    continue
                 tok, slot = (idx == e).nonzero(as_tuple=True)
                 fc1 = hidden[tok].float() @ qw.w13_q[e].float().t()
                 y = ffn.swiglu(fc1, self.spec.gate_up_clamp) * w[tok, slot].unsqueeze(1)
@@ -132,7 +139,7 @@ def unquantized_reference(weights, hidden: torch.Tensor, topk_idx: torch.Tensor,
     w13, w2 = weights.w13.float(), weights.w2.float()
     i = w2.shape[2]
     out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    for e in range(w13.shape[0]):
+    for e in range(w13.shape[0]):  # a -1 slot matches no expert: it contributes nothing
         tok, slot = (topk_idx == e).nonzero(as_tuple=True)
         if tok.numel():
             f = hidden[tok].float() @ w13[e].t()

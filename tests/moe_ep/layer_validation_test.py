@@ -105,7 +105,7 @@ def _bad(kind):
     elif kind == "idx_noncontig":
         idx = idx.t().contiguous().t()
     elif kind == "negative_id":
-        idx[2, 1] = -1
+        idx[2, 1] = -2
     elif kind == "id_too_large":
         idx[0, 0] = E
     elif kind == "over_capacity":
@@ -133,13 +133,31 @@ CASES = [
     ("idx_device", moe_ep.DeviceError, "topk_idx", "cpu"),
     ("hidden_noncontig", moe_ep.NonContiguousError, "hidden", "contiguous"),
     ("idx_noncontig", moe_ep.NonContiguousError, "topk_idx", "contiguous"),
-    ("negative_id", moe_ep.ExpertIndexError, "topk_idx", ">= 0"),
+    ("negative_id", moe_ep.ExpertIndexError, "topk_idx", ">= -1"),
     ("id_too_large", moe_ep.ExpertIndexError, "topk_idx", f"< num_experts={E}"),
     ("over_capacity", moe_ep.CapacityError, "hidden", f"max_tokens_per_rank={C}"),
     ("out_dtype", moe_ep.DTypeError, "out", "torch.bfloat16"),
     ("out_shape", moe_ep.ShapeError, "out", f"[5, {H}]"),
     ("out_noncontig", moe_ep.NonContiguousError, "out", "contiguous"),
 ]
+
+
+def test_minus_one_means_no_expert(layer):
+    """-1 slots contribute nothing: the output equals the same call with those slots' weights zeroed (the
+    reference's FC2 is linear in the routing weight), and a row of -1 comes back exactly zero."""
+    x, idx, w = _inputs(5)
+    masked = idx.clone()
+    masked[1, 0] = -1
+    masked[3] = -1
+    got = layer(x, masked, w)
+    assert not got[3].any()
+    zeroed = w.clone()
+    zeroed[1, 0] = 0.0
+    zeroed[3] = 0.0
+    want = layer(x, idx, zeroed)
+    want[3] = 0
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+    assert not torch.equal(got[1], layer(x, idx, w)[1])  # the masked slot did contribute before
 
 
 @pytest.mark.parametrize("kind, err, argument, expected", CASES, ids=[c[0] for c in CASES])

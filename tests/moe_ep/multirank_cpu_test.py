@@ -45,6 +45,10 @@ ALL_CASES = [_case(f"balanced_T37_{f}", tokens=37, fmt=f) for f in FORMATS] + [
     _case("unweighted_fc2_bf16", tokens=29, fmt="bf16", backend_options={"apply_topk_in_fc1": False}),
     _case("unweighted_fc2_mxfp8", tokens=29, fmt="mxfp8", backend_options={"apply_topk_in_fc1": False}),
     _case("wide_topk_fp8_block", tokens=19, routing="uniform", fmt="fp8_block", num_experts=16, top_k=6),
+    # -1 slots (engines pad with them, load balancers mask with them); every fifth row entirely -1
+    _case("masked_fp8_block", tokens=31, routing="masked", fmt="fp8_block"),
+    _case("masked_mixed_T_nvfp4", tokens=[20, 0, 7, 41][:WORLD] + [3] * max(0, WORLD - 4), capacity=48,
+          routing="masked", fmt="nvfp4"),
 ]
 # A kernel backend runs the cases of the formats it serves.
 CASES = [c for c in ALL_CASES if c["fmt"] in get_entry(BACKEND).formats]
@@ -92,6 +96,10 @@ def test_routings_are_what_they_claim():
     assert received[1] > 2 * max(received[d] for d in range(WORLD) if d != 1), received
     no_local = _pairs_by_rank(by_name["no_local_bf16"])
     assert all(no_local[r][r] == 0 for r in range(WORLD)) and all(sum(c) > 0 for c in no_local)
+    masked = Problem.build(MoESpec(1024, 256, 32, 8, 64), WORLD, 31, "masked")
+    _, idx, _ = masked.inputs(0)
+    assert (idx == -1).any(dim=1).float().mean() > 0.5 and (idx == -1).all(dim=1)[::5].all()
+    assert ((idx >= 0) | (idx == -1)).all() and (idx >= 0).any()
     bal = _pairs_by_rank(by_name["balanced_T37_bf16"])
     totals = [sum(bal[s][d] for s in range(WORLD)) for d in range(WORLD)]
     assert max(totals) - min(totals) <= 2 * WORLD
