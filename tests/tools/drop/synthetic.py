@@ -1,10 +1,13 @@
-"""Small synthetic kernel drops and shims, written into temp dirs by the tests.
+"""Small synthetic kernel drops, shims and registries, written into temp dirs by the tests.
 
-The baseline mimics the shape of a Hopper tree (package names, a kernel class
-whose __init__ forwards to a base class that validates some knobs, a heuristic
-table built through a factory function, a @jit-style __call__) with none of its
-code. Each test derives a "new drop" by editing one file of a copy, so every
-difference the audit reports is one the test made.
+The baseline mimics the shape of a Hopper tree (package names, an FP8 kernel class whose
+__init__ forwards to a base class that validates some knobs, a BF16 kernel package, heuristic
+tables built through a factory function, a @jit-style __call__) with none of its code. The
+synthetic shim has the shape the audit must handle without knowing file names: two backends in
+one module, one frontend module per format over a shared frontend, a format-guarded heuristic,
+launch arguments collected in the tree-agnostic shim/common/, a registry naming the backends by
+lazy strings. Each test derives a "new drop" by editing one file of a copy, so every difference
+the audit reports is one the test made.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ BASE_DROP: Dict[str, str] = {
                 self.world_size = world_size
 
             @cute.jit
-            def __call__(self, activation, topk_idx, topk_weights, output, stream):
+            def __call__(self, activation, activation_sf, topk_idx, topk_weights, output, stream):
                 pass
 
 
@@ -115,9 +118,57 @@ BASE_DROP: Dict[str, str] = {
         raise ImportError("the audit reads the drop as source; it must never import it")
         """
     ),
+    "moe_hopper_bf16/__init__.py": "",
+    "moe_hopper_bf16/heuristic_config.py": textwrap.dedent(
+        """
+        from dataclasses import dataclass
+        from typing import Tuple
+
+
+        @dataclass(frozen=True)
+        class Bf16Config:
+            mma_tiler_mnk: Tuple[int, int, int] = (64, 128, 64)
+
+
+        def select_heuristic_config(tokens):
+            return Bf16Config()
+        """
+    ),
+    "moe_hopper_bf16/megamoe_kernel_bf16.py": textwrap.dedent(
+        """
+        from typing import Literal, Optional
+
+        import cutlass.cute as cute
+
+
+        class Sm90MegaMoEBf16Kernel:
+            def __init__(
+                self,
+                mma_tiler_mnk,
+                cluster_shape_mnk,
+                group_hint: Optional[int] = None,
+                *,
+                world_size: int,
+                hidden: int,
+                token_back_mode: Literal["epi_warps", "standalone_warps"] = "epi_warps",
+            ):
+                self.world_size = world_size
+
+            @cute.jit
+            def __call__(self, activation, topk_idx, topk_weights, output, stream):
+                pass
+
+
+        raise ImportError("the audit reads the drop as source; it must never import it")
+        """
+    ),
     "moe_nvfp4_swapab/__init__.py": "",
     "moe_nvfp4_swapab/topk_reduce.py": "def topk_reduce(x):\n    return x\n",
 }
+
+# ---- the synthetic shim --------------------------------------------------------------------------
+
+NEVER_IMPORT = '\nraise ImportError("the audit reads the shim as source; it must never import it")\n'
 
 KERNEL_SYMBOLS = textwrap.dedent(
     '''
@@ -128,6 +179,8 @@ KERNEL_SYMBOLS = textwrap.dedent(
     _LAZY = {
         "Sm90MegaMoEFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoEFp8Kernel"),
         "SwapAB": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABFp8Kernel"),
+        "Sm90MegaMoEBf16Kernel": ("moe_hopper_bf16.megamoe_kernel_bf16", "Sm90MegaMoEBf16Kernel"),
+        "select_bf16_config": ("moe_hopper_bf16.heuristic_config", "select_heuristic_config"),
         "SymBufferHost": ("src.sym_buffer", "SymBufferHost"),
         "topk_reduce": ("moe_nvfp4_swapab.topk_reduce", "topk_reduce"),
         "Helper": ("shim.sm90.helpers", "Helper"),
@@ -138,14 +191,11 @@ KERNEL_SYMBOLS = textwrap.dedent(
         import importlib
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
-
-
-    raise ImportError("the audit reads the shim as source; it must never import it")
     '''
-)
+) + NEVER_IMPORT
 
 # Every value here is decided by the synthetic drop (Literal, a membership
-# check, or the heuristic table), so the baseline self-audit has no "unchecked".
+# check, or a heuristic table), so the baseline self-audit has no "unchecked".
 KNOBS = textwrap.dedent(
     """
     KNOB_SPACE = {
@@ -157,9 +207,155 @@ KNOBS = textwrap.dedent(
             "fp8_accum_mode": ["1xacc", "2xacc"],
             "token_back_mode": ["epi_warps", "standalone_warps"],
         },
+        "Sm90MegaMoEBf16Kernel": {
+            "mma_tiler_mnk": [(64, 128, 64)],
+            "token_back_mode": ["epi_warps", "standalone_warps"],
+        },
     }
+
+
+    def heuristic(fmt, tokens):
+        from shim.sm90 import kernel_symbols as ks
+
+        if fmt == "bf16":
+            return ks.select_bf16_config(tokens)
+        return ks.select_heuristic_config(tokens)
     """
 )
+
+COMMON_FRONTEND = textwrap.dedent(
+    """
+    class Frontend:
+        def symbols(self):
+            raise NotImplementedError
+
+        def launch(self, x, out):
+            args = self.activation_args(x)
+            args.update(topk_idx=self.topk_idx, topk_weights=self.topk_weights)
+            args.update(output=out, stream=None)
+            self.mapper = self.symbols().SymBufferHost(world_size=self.world_size)
+            self.symbols().topk_reduce(out)
+            return self.kernel(**args)
+    """
+) + NEVER_IMPORT
+
+SM90_FRONTEND = textwrap.dedent(
+    """
+    from shim.common.frontend import Frontend
+    from shim.sm90.knobs import heuristic
+
+
+    class Sm90Frontend(Frontend):
+        def symbols(self):
+            from shim.sm90 import kernel_symbols
+
+            return kernel_symbols
+
+        def knobs(self):
+            return heuristic(self.fmt, self.capacity)
+
+        def build_kernel(self, knobs):
+            plain, swap = self.kernel_classes()
+            return (swap if knobs.swap_ab else plain)(
+                mma_tiler_mnk=knobs.tile,
+                cluster_shape_mnk=knobs.cluster,
+                group_hint=knobs.group_hint,
+                world_size=self.world_size,
+                hidden=self.hidden,
+                token_back_mode=knobs.token_back_mode,
+                **self.format_kwargs(knobs),
+            )
+
+        def format_kwargs(self, knobs):
+            return {}
+    """
+) + NEVER_IMPORT
+
+FP8_FRONTEND = textwrap.dedent(
+    """
+    from shim.sm90.frontend import Sm90Frontend
+
+
+    class Sm90Fp8Frontend(Sm90Frontend):
+        fmt = "fp8_block"
+
+        def kernel_classes(self):
+            ks = self.symbols()
+            return ks.Sm90MegaMoEFp8Kernel, ks.SwapAB
+
+        def format_kwargs(self, knobs):
+            return dict(load_balance_mode="static", fp8_accum_mode=knobs.accum_mode)
+
+        def activation_args(self, x):
+            return dict(activation=x, activation_sf=self.scales)
+    """
+) + NEVER_IMPORT
+
+BF16_FRONTEND = textwrap.dedent(
+    """
+    from shim.sm90.frontend import Sm90Frontend
+
+
+    class Sm90Bf16Frontend(Sm90Frontend):
+        fmt = "bf16"
+
+        def kernel_classes(self):
+            ks = self.symbols()
+            return ks.Sm90MegaMoEBf16Kernel, ks.Sm90MegaMoEBf16Kernel
+
+        def activation_args(self, x):
+            return dict(activation=x)
+    """
+) + NEVER_IMPORT
+
+BACKENDS = textwrap.dedent(
+    """
+    from shim.sm90.bf16_frontend import Sm90Bf16Frontend
+    from shim.sm90.fp8_frontend import Sm90Fp8Frontend
+
+
+    class Sm90Fp8Backend:
+        def make_frontend(self):
+            return Sm90Fp8Frontend()
+
+
+    class Sm90Bf16Backend:
+        def make_frontend(self):
+            return Sm90Bf16Frontend()
+    """
+) + NEVER_IMPORT
+
+REGISTRY = textwrap.dedent(
+    """
+    def _register_builtin():
+        register_backend("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
+                         formats=("bf16", "fp8_block"))
+        register_backend("sm90_fp8", "shim.sm90.backend:Sm90Fp8Backend", arch="sm90", formats=("fp8_block",))
+        register_backend("sm90_bf16", "shim.sm90.backend:Sm90Bf16Backend", arch="sm90", formats=("bf16",))
+
+
+    _register_builtin()
+    """
+) + NEVER_IMPORT
+
+SHIM_FILES: Dict[str, str] = {
+    "shim/__init__.py": "",
+    "shim/common/__init__.py": "",
+    "shim/common/frontend.py": COMMON_FRONTEND,
+    "shim/sm90/__init__.py": "",
+    "shim/sm90/kernel_symbols.py": KERNEL_SYMBOLS,
+    "shim/sm90/knobs.py": KNOBS,
+    "shim/sm90/helpers.py": "class Helper:\n    pass\n",
+    "shim/sm90/frontend.py": SM90_FRONTEND,
+    "shim/sm90/fp8_frontend.py": FP8_FRONTEND,
+    "shim/sm90/bf16_frontend.py": BF16_FRONTEND,
+    "shim/sm90/backend.py": BACKENDS,
+    "moe_ep/__init__.py": "",
+    "moe_ep/core/__init__.py": "",
+    "moe_ep/core/registry.py": REGISTRY,
+}
+
+WHEEL_PREFIX_SM90 = "flashinfer/moe_ep/kernel_src/sm90/pull_style_cutedsl_megakernel/src"
 
 WORKSPACE_BZL = textwrap.dedent(
     '''
@@ -169,6 +365,9 @@ WORKSPACE_BZL = textwrap.dedent(
 
     SM100_VERSION = "{v100}"
     SM100_SHA256 = "{s100}"
+
+    SM90_STRIP_PREFIX = "flashinfer/moe_ep/kernel_src/sm90/pull_style_cutedsl_megakernel/src"
+    SM100_STRIP_PREFIX = "flashinfer/moe_ep/kernel_src/sm100/cutedsl_megamoe/src"
     '''
 )
 
@@ -199,27 +398,25 @@ def edit(root: Path, rel: str, old: str, new: str) -> None:
 
 
 def make_shim(repo: Path) -> Path:
-    repo = Path(repo)
-    write_tree(
-        repo,
-        {
-            "shim/__init__.py": "",
-            "shim/common/__init__.py": "",
-            "shim/sm90/__init__.py": "",
-            "shim/sm90/kernel_symbols.py": KERNEL_SYMBOLS,
-            "shim/sm90/knobs.py": KNOBS,
-            "shim/sm90/helpers.py": "class Helper:\n    pass\n",
-        },
-    )
-    return repo
+    """The synthetic shim and the registry that names its backends."""
+    return write_tree(Path(repo), SHIM_FILES)
 
 
-def make_wheel(path: Path, prefix: str, files: Dict[str, str]) -> Path:
-    """A carrier-shaped wheel: the tree's files under `prefix`, plus an unrelated file."""
+def make_wheel(path: Path, prefix: str, files: Dict[str, str], extra: Dict[str, str] = None) -> Path:
+    """A carrier-shaped wheel: the tree's files under `prefix`, plus unrelated files (`extra`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    prefix = prefix.rstrip("/") + "/"
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("flashinfer/__init__.py", "")
+        for rel, text in (extra or {}).items():
+            zf.writestr(rel, text)
         for rel, text in files.items():
             zf.writestr(prefix + rel, text)
     return path
+
+
+def snapshot(root: Path) -> Dict[str, bytes]:
+    """Every file under root (what a failed or breaking bump must leave as it was)."""
+    root = Path(root)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
