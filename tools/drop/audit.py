@@ -299,6 +299,8 @@ def run_audit(
             res = dataclasses.replace(res, detail=_resolution_detail(index, row, res, renames))
         import_rows.append((row, res))
         subject = f"{row.module}" + (f".{row.name}" if row.name else "")
+        if row.name and row.export != row.name:
+            subject += f" (shim name {row.export})"
         if res.status in ("missing_module", "missing_symbol"):
             uses = impact.uses_of(row.module, row.name)
             pairs = frozenset().union(*[impact.hits(u.site) for u in uses]) if uses else frozenset()

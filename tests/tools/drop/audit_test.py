@@ -82,7 +82,7 @@ def test_missing_bf16_package_breaks_only_the_bf16_backend(world, tmp_path):
     assert got["moe_hopper_bf16.megamoe_kernel_bf16.Sm90MegaMoEBf16Kernel"] == (
         ("shim/sm90/kernel_symbols.py:9", "shim/sm90/bf16_frontend.py:10"), (BF16,))
     # The format-guarded heuristic line in knobs.py: only the bf16 branch uses it.
-    assert got["moe_hopper_bf16.heuristic_config.select_heuristic_config"] == (
+    assert got["moe_hopper_bf16.heuristic_config.select_heuristic_config (shim name select_bf16_config)"] == (
         ("shim/sm90/kernel_symbols.py:10", "shim/sm90/knobs.py:22"), (BF16,))
     assert got["Sm90MegaMoEBf16Kernel"][1] == (BF16,)  # class gone (signatures) and knob space (knobs)
     assert all(pairs == (BF16,) for _, pairs in got.values())
@@ -168,7 +168,7 @@ def test_removed_kernel_class(world, tmp_path):
     result = audit(repo, old, new)
     got = breaks(result)
     assert got["Sm90MegaMoESwapABFp8Kernel"] == (("shim/sm90/fp8_frontend.py:10",), (FP8,))
-    assert got["moe_hopper_fp8.megamoe_kernel_fp8.Sm90MegaMoESwapABFp8Kernel"] == (
+    assert got["moe_hopper_fp8.megamoe_kernel_fp8.Sm90MegaMoESwapABFp8Kernel (shim name SwapAB)"] == (
         ("shim/sm90/kernel_symbols.py:8", "shim/sm90/fp8_frontend.py:10"), (FP8,))
     assert result.exit_code() == EXIT_SOME_BREAK
 
