@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 DROP_REPOS = ("cutedsl_megamoe_sm90", "cutedsl_megamoe_sm100")
 WORKSPACE_NAME = "megamoe_ep"
@@ -40,6 +40,16 @@ def workspace_root() -> Path:
     return marker.resolve().parent
 
 
+def bazelignored() -> List[Path]:
+    """The directories //:.bazelignore takes out of this workspace (absolute paths)."""
+    root = workspace_root()
+    path = root / ".bazelignore"
+    if not path.is_file():
+        return []
+    lines = (l.strip() for l in path.read_text(encoding="utf-8").splitlines())
+    return [root / l for l in lines if l and not l.startswith("#")]
+
+
 def outer_repo(name: str) -> Path:
     """Where the outer Bazel extracted external repository `name`."""
     marker = runfiles_root() / name / "carrier.json"
@@ -54,19 +64,26 @@ def outer_python_env() -> Path:
     return venv.parent
 
 
-def overrides() -> List[str]:
+def overrides(coverage_stub: bool = True) -> List[str]:
     flags = [f"--override_repository={name}={outer_repo(name)}" for name in DROP_REPOS]
-    # .bazelrc reaches the coverage stub through /proc/self/cwd; spell the path out here.
-    stub = workspace_root() / "tools" / "bazel" / "coverage_stub"
-    flags.append(f"--override_repository=remote_coverage_tools={stub}")
+    if coverage_stub:
+        # .bazelrc reaches the coverage stub through /proc/self/cwd; spell the path out here.
+        stub = workspace_root() / "tools" / "bazel" / "coverage_stub"
+        flags.append(f"--override_repository=remote_coverage_tools={stub}")
     env_repo = outer_python_env()
     if (env_repo / "BUILD.bazel").exists():
         flags.append(f"--override_repository=moe_ep_python={env_repo}")
     return flags
 
 
-def bazel(command: str, args: Sequence[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """`bazel <command> <overrides> <args>` in batch mode; returns the finished process."""
+def bazel(command: str, args: Sequence[str], timeout: int = 600, cwd: Optional[Path] = None,
+          coverage_stub: bool = True) -> subprocess.CompletedProcess:
+    """`bazel <command> <overrides> <args>` in batch mode; returns the finished process.
+
+    cwd: the workspace to run in (default: this one), e.g. examples/downstream, a workspace of its
+    own that reaches this one as @megamoe_ep; the same overrides apply there.
+    coverage_stub=False leaves @remote_coverage_tools to the workspace's own .bazelrc (what a
+    consumer writes is then what is tested)."""
     exe = shutil.which("bazel")
     if not exe:
         raise RuntimeError("bazel is not on PATH")
@@ -84,13 +101,13 @@ def bazel(command: str, args: Sequence[str], timeout: int = 600) -> subprocess.C
         "--batch",
         "--nohome_rc",
         command,
-        *overrides(),
+        *overrides(coverage_stub),
         *args,
     ]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(
         cmd,
-        cwd=workspace_root(),
+        cwd=cwd or workspace_root(),
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,

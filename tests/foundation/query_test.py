@@ -33,15 +33,24 @@ def _universe():
 
     A nested Bazel does not recognise the outer Bazel's convenience symlinks (bazel-<dir>, which
     point into another output base) as its own, so a literal //... would walk into them.
+    Directories listed in .bazelignore (separate workspaces such as examples/downstream) hold no
+    package of this one: a top-level directory with BUILD files only there is left out.
     """
     root = nested_bazel.workspace_root()
+    ignored = nested_bazel.bazelignored()
+
+    def has_package(p):
+        return any(
+            not any(f.is_relative_to(i) for i in ignored) for f in [*p.rglob("BUILD"), *p.rglob("BUILD.bazel")]
+        )
+
     dirs = sorted(
         p.name
         for p in root.iterdir()
         if p.is_dir()
         and not p.is_symlink()
         and not p.name.startswith((".", "bazel-"))
-        and any(p.rglob("BUILD")) | any(p.rglob("BUILD.bazel"))
+        and has_package(p)
     )
     return "(" + " + ".join(["//:*"] + [f"//{d}/..." for d in dirs]) + ")"
 

@@ -1,0 +1,90 @@
+"""An engine's workspace builds and tests moe_ep: examples/downstream, by a nested Bazel.
+
+examples/downstream is a separate workspace (its own WORKSPACE, .bazelrc, BUILD) that reaches this
+repository by path as @megamoe_ep and calls megamoe_ep_repositories(), exactly what the README
+section "Using moe_ep from your Bazel workspace" shows (checked here too). A second Bazel, in batch
+mode with its own --output_user_root under TEST_TMPDIR, runs in that workspace:
+
+  - `bazel test //:two_ranks_test`: 2 CPU ranks through moe_ep's public API, checked against the
+    oracle;
+  - `bazel build //:hopper_layer`: a py_binary on @megamoe_ep//moe_ep:moe_ep_hopper, which carries
+    the Hopper kernel tree (built only: it needs a Hopper GPU to run).
+
+Offline and quick: the drop trees and the venv the outer build already has are handed over with
+--override_repository (tests/foundation/nested_bazel.py). @remote_coverage_tools is not: the
+example's own .bazelrc line has to be enough, as it is for a consumer. Tagged `external`: it checks
+files outside its declared inputs (the example, the README, the whole repository it loads).
+"""
+
+import re
+import sys
+import time
+
+import pytest
+
+from tests.foundation import nested_bazel
+
+SECTION = "## Using moe_ep from your Bazel workspace"
+NESTED = ["--symlink_prefix=/", "--spawn_strategy=local", "--jobs=2", "--curses=no", "--color=no"]
+
+
+def _example():
+    return nested_bazel.workspace_root() / "examples" / "downstream"
+
+
+def _section():
+    text = (nested_bazel.workspace_root() / "README.md").read_text(encoding="utf-8")
+    assert SECTION in text, f"README.md has no section {SECTION!r}"
+    body = text.split(SECTION, 1)[1]
+    return re.split(r"^## ", body, maxsplit=1, flags=re.M)[0]
+
+
+def _blocks(section):
+    """{info string: [block text, ...]} of the section's fenced code blocks."""
+    out = {}
+    for info, body in re.findall(r"^```([^\n]*)\n(.*?)^```", section, flags=re.M | re.S):
+        out.setdefault(info.strip(), []).append(body)
+    return out
+
+
+def _run(command, args, timeout):
+    t0 = time.monotonic()
+    proc = nested_bazel.bazel(command, NESTED + args, timeout=timeout, cwd=_example(), coverage_stub=False)
+    took = time.monotonic() - t0
+    print(f"nested `bazel {command}` in examples/downstream: exit {proc.returncode} after {took:.1f} s")
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        pytest.fail(f"nested `bazel {command} {' '.join(args)}` in {_example()} failed (exit {proc.returncode}):\n"
+                    f"{nested_bazel.errors(proc)}\n--- tail\n{tail}", pytrace=False)
+    return proc
+
+
+def test_readme_shows_the_example_workspace_and_bazelrc():
+    blocks = _blocks(_section())
+    for name, info in (("WORKSPACE", "python"), (".bazelrc", "sh")):
+        want = (_example() / name).read_text(encoding="utf-8")
+        shown = blocks.get(f"{info} title={name}", [])
+        assert shown == [want], (
+            f"README section {SECTION!r} must show examples/downstream/{name} verbatim in one ```{info} title={name} "
+            f"block; it shows {shown!r}, the file is {want!r}")
+
+
+def test_readme_build_snippet_is_from_the_example():
+    shown = _blocks(_section()).get("python title=BUILD.bazel", [])
+    assert len(shown) == 1, "README section must show one ```python title=BUILD.bazel block"
+    example = (_example() / "BUILD.bazel").read_text(encoding="utf-8")
+    missing = [l for l in shown[0].splitlines() if l.strip() and l not in example.splitlines()]
+    assert not missing, f"README BUILD lines not in examples/downstream/BUILD.bazel: {missing}"
+
+
+def test_example_two_ranks_test_passes():
+    proc = _run("test", ["--test_output=errors", "//:two_ranks_test"], timeout=420)
+    assert "//:two_ranks_test" in proc.stdout + proc.stderr
+
+
+def test_example_hopper_binary_builds():
+    _run("build", ["//:hopper_layer"], timeout=300)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-rA", "-p", "no:cacheprovider"]))
