@@ -43,6 +43,18 @@ NVFP4_BLOCK = 16          # Nvfp4BlockSize
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
+_INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)  # fl32(1/448)
+
+
+def _over_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 the way every device computes it here: one fp32 multiply by fl32(1/448), rounded to nearest.
+    torch on CUDA turns a division by a Python scalar into exactly this multiply, on the CPU into a true
+    division; the two differ by an ulp for about half of all amax values, and so would the bytes staged on a
+    GPU and the oracle's on a CPU. Spelled out, the definition is the same everywhere (and it is what a fused
+    staging kernel reproduces, shim/sm90/fp8_staging.py)."""
+    return amax.to(torch.float32) * _INV_E4M3_MAX.to(amax.device)
+
+
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> e4m3 with round-to-nearest-even and saturation (the kernel's cvt.rn.satfinite).
 
@@ -53,14 +65,14 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- fp8 block
 def fp8_quantize_rows(x: torch.Tensor, block_k: int, reciprocal: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (e4m3 [M, K], fp32 scales [M, K/block_k]); scale = max(amax/448, 1e-30).
+    """[M, K] -> (e4m3 [M, K], fp32 scales [M, K/block_k]); scale = max(amax * fl32(1/448), 1e-30).
 
     reciprocal=True multiplies by 1/scale (the kernel's FC2-input requantization), False divides (the FC1
     input, staged by the host)."""
     m, k = x.shape
     blocks = x.to(torch.float32).reshape(m, k // block_k, block_k)
     absmax = blocks.abs().amax(dim=-1)
-    scale = torch.clamp(absmax / E4M3_MAX, min=FP8_BLOCK_EPS).to(torch.float32)
+    scale = torch.clamp(_over_e4m3_max(absmax), min=FP8_BLOCK_EPS).to(torch.float32)
     sv = scale.unsqueeze(-1)
     scaled = blocks * torch.reciprocal(sv) if reciprocal else blocks / sv
     return to_e4m3(scaled.reshape(m, k)), scale
@@ -77,7 +89,7 @@ def fp8_quantize_blocks_nk(w: torch.Tensor, block_n: int = FP8_WEIGHT_BLOCK,
     blocks = w.to(torch.float32).reshape(*lead, n // block_n, block_n, k // block_k, block_k)
     nd = blocks.dim()
     absmax = blocks.abs().amax(dim=(nd - 3, nd - 1))
-    scale = torch.clamp(absmax / E4M3_MAX, min=FP8_BLOCK_EPS).to(torch.float32)
+    scale = torch.clamp(_over_e4m3_max(absmax), min=FP8_BLOCK_EPS).to(torch.float32)
     q = to_e4m3((blocks / scale.unsqueeze(-1).unsqueeze(-3)).reshape(*lead, n, k))
     return q, scale
 
@@ -159,7 +171,7 @@ def fp8_quantize_per_expert(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor
     e = w.shape[0]
     w32 = w.to(torch.float32)
     absmax = w32.abs().reshape(e, -1).amax(dim=1)
-    scale = torch.clamp(absmax / E4M3_MAX, min=FP8_BLOCK_EPS).to(torch.float32)
+    scale = torch.clamp(_over_e4m3_max(absmax), min=FP8_BLOCK_EPS).to(torch.float32)
     return to_e4m3(w32 / scale.reshape(e, 1, 1)), scale
 
 

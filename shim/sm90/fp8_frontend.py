@@ -1,15 +1,22 @@
 """The Hopper FP8 (blockwise) MegaMoE frontend: `moe_hopper_fp8.Sm90MegaMoE{,SwapAB}Fp8Kernel`.
 
-Per forward, bf16 activations are quantized into the symmetric buffers in 1x128 blocks (scale = amax / 448,
-floored at 1e-30, q = fp8(x / scale)); the kernel pulls them, runs FC1 / SwiGLU (routing weight folded in) /
-FC2 with 128x128 weight block scales and per-64 FC2-input scales it computes itself, and combines.
+Per forward, bf16 activations are quantized into the symmetric buffers in 1x128 blocks (scale = amax *
+fl32(1/448), floored at 1e-30, q = fp8(x / scale)); the kernel pulls them, runs FC1 / SwiGLU (routing weight
+folded in) / FC2 with 128x128 weight block scales and per-64 FC2-input scales it computes itself, and combines.
+
+Staging is one fused Triton kernel where Triton runs (shim/sm90/fp8_staging.py), byte for byte moe_ep's format
+quantizer; at compile time the frontend checks that on this device (a probe batch against the quantizer) and
+falls back to the torch quantizer, with a warning, if the bytes differ or the kernel cannot be built.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from moe_ep.formats import QuantizedActivation, codecs
+from shim.sm90 import fp8_staging
 from shim.sm90 import weights as sm90_weights
 from shim.sm90.frontend import Sm90Frontend
 from shim.sm90.knobs import SCALE_MODES, Sm90Knobs
@@ -25,6 +32,7 @@ def _round_up(x: int, m: int) -> int:
 
 class Sm90Fp8Frontend(Sm90Frontend):
     fmt = "fp8_block"
+    staging = "torch"  # "fused" once compile() has checked the fused kernel on this device
 
     def kernel_classes(self):
         ks = self.symbols()
@@ -46,11 +54,45 @@ class Sm90Fp8Frontend(Sm90Frontend):
         return [("act", (c, h), torch.float8_e4m3fn), ("act_sf", (c, _round_up(h // ACT_BLOCK, 4)), torch.float32)]
 
     def stage_activations(self, x: torch.Tensor) -> None:
-        # moe_ep's format quantizer: the oracle re-derives the same bytes from the same bf16 input.
+        # The bytes of moe_ep's format quantizer either way: the oracle re-derives them from the same bf16 input.
+        if self.staging == "fused":
+            fp8_staging.launch_fused(x, self.act, self.act_sf)
+            return
         t, h = x.shape
         q, scale = codecs.fp8_quantize_rows(x, ACT_BLOCK, reciprocal=False)
         self.act[:t].view(torch.uint8).copy_(q.view(torch.uint8))
         self.act_sf[:t, : h // ACT_BLOCK].copy_(scale)
+
+    def compile(self):
+        compiled = super().compile()
+        if not self.compile_only and self.staging != "fused":
+            self.staging = self._check_fused_staging()
+        return compiled
+
+    def _check_fused_staging(self) -> str:
+        """"fused" when the fused kernel gives the format quantizer's bytes on this device, else "torch"."""
+        if not fp8_staging.available():
+            return "torch"
+        # Into the very buffers (and so the dtypes and strides) the forwards stage into: the kernel is built here,
+        # outside any graph capture. The rows are restaged before the next launch reads them.
+        gen = torch.Generator().manual_seed(7)
+        t, h = min(64, self.max_tokens_per_rank), self.hidden_size
+        x = torch.randn(t, h, generator=gen) * torch.logspace(-4, 3, t).unsqueeze(1)
+        x = x.to(torch.bfloat16).to(self.device)
+        try:
+            fp8_staging.launch_fused(x, self.act, self.act_sf)
+            rq, rs = codecs.fp8_quantize_rows(x, ACT_BLOCK, reciprocal=False)
+            q, s = self.act[:t].view(torch.uint8), self.act_sf[:t, : h // ACT_BLOCK]
+            same = torch.equal(q, rq.view(torch.uint8)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
+        except Exception as e:  # noqa: BLE001 - any failure of the optional kernel means the torch path
+            warnings.warn(f"fused FP8 staging unavailable here ({type(e).__name__}: {e}); staging with torch ops",
+                          RuntimeWarning, stacklevel=3)
+            return "torch"
+        if not same:
+            warnings.warn("the fused FP8 staging kernel's bytes differ from the format quantizer's on this device; "
+                          "staging with torch ops", RuntimeWarning, stacklevel=3)
+            return "torch"
+        return "fused"
 
     def activation_args(self, b, rows: int):
         return dict(super().activation_args(b, rows), activation_sf=b.tensor(self.act_sf[:rows]))

@@ -12,14 +12,14 @@ tools/diag/fp8_staging_check.py compares kernel, simulation and reference on the
 
 Bit-exactness: what the reference does per 1x128 block, and why the kernel rounds at the same places
 --------------------------------------------------------------------------------------------------------
-The reference, run by torch on a CUDA device:
+The reference (moe_ep.formats.codecs.fp8_quantize_rows), on any device:
   1. x32 = fp32(x)                          exact (bf16 is a prefix of fp32)
   2. amax = max |x32|                       exact (a max picks one of its inputs); NaN propagates
-  3. s = amax / 448.0                       ONE rounding, but not a division: torch's CUDA `div` by a Python
-                                            scalar (a CPU scalar operand) computes amax * fl32(1/448)
-                                            (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu). torch on the
-                                            CPU divides. The two differ by one ulp for 15543 of the 32640
-                                            finite bf16 amax values, so "the reference" depends on the device.
+  3. s = amax * fl32(1/448)                 ONE rounding. Spelled as a multiply because torch's CUDA `div` by a
+                                            Python scalar computes exactly that (BinaryDivTrueKernel.cu) while
+                                            torch on the CPU divides; the two differ by one ulp for 15543 of the
+                                            32640 finite bf16 amax values, so the format now names the multiply
+                                            and the reference is the same on every device.
   4. s = max(s, fl32(1e-30))                exact; NaN stays NaN
   5. y = x32 / s                            ONE rounding: IEEE division (div.rn.f32)
   6. y = clamp(y, -448, 448)                exact; NaN stays NaN
@@ -32,8 +32,8 @@ The kernel (shim/sm90/fp8_staging_kernel.py; `simulate_fused` below is the same 
      the value order and every NaN pattern lies above +inf, so this is max |x| with NaN propagating, and it
      does not depend on how `tl.max` treats NaN on floats (it does not promise to propagate it).
   3. s = amax * RCP_E4M3_MAX (fp32 multiply, round to nearest), RCP_E4M3_MAX = fl32(1/448): the same single
-     rounding as torch on CUDA. (`scale_by_reciprocal=False` uses tl.math.div_rn(amax, 448.0), the CPU
-     reference's op; the GPU check runs both to show which one the device's reference uses.)
+     rounding as the reference. (`scale_by_reciprocal=False` uses tl.math.div_rn(amax, 448.0), an IEEE
+     division; the GPU check runs it to show the two really differ there.)
      448 * fl32(1/448) == 1.0 exactly, so a block whose amax is 448 * 2^k gets s = 2^k either way.
   4. s = where(s < fl32(1e-30), fl32(1e-30), s): NaN compares false and stays.
   5. y = tl.math.div_rn(x, s): llvm.nvvm.div.rn.f -> div.rn.f32, the IEEE quotient. (Triton's `/` on fp32
