@@ -28,6 +28,7 @@ again = moe_ep.init_from_env()
 print(json.dumps({"rank": ctx.rank, "world_size": ctx.world_size, "pg_backend": ctx.pg_backend,
                   "device": str(ctx.device), "idempotent": again.rank == ctx.rank and dist.is_initialized(),
                   "env_port": os.environ.get("MASTER_PORT"), "env_rank": os.environ.get("RANK")}))
+dist.barrier()  # leave together: a gloo rank exiting mid-teardown can abort its peer
 dist.destroy_process_group()
 """
 

@@ -6,8 +6,8 @@ megamoe_ep is an external repository. This rule finds the stub next to a label i
 (`Label("//tools/bazel:OFFLINE.md")`, resolved against the repository this file lives in) and
 links the stub directory's top-level entries into the new repository.
 
-The anchor is a file of //tools/bazel, not one inside the stub: Bazel takes a directory whose
-WORKSPACE names a declared repository out of the main repository, so a label inside
+The anchor is a file of //tools/bazel, not one inside the stub: //:.bazelignore takes the stub
+directories out of this workspace, so in this repository's own build a label inside
 tools/bazel/rules_cc_stub/ reads "Package is considered deleted due to --deleted_packages".
 """
 
