@@ -39,11 +39,12 @@ or by hand: set {tree_upper}_VERSION / {tree_upper}_SHA256 in third_party/cuteds
 (sha256 of the wheel: `python3 -m pip download --no-deps --only-binary=:all: {carrier}==NEW_VERSION -d /tmp/w
 && sha256sum /tmp/w/*.whl`), then `bazel run //third_party/cutedsl_megamoe:manifest -- --write {tree}`."""
 
-_MANIFEST_RECIPE = """Generate the manifest of this pin (it hashes every file of the pinned tree):
+_MANIFEST_RECIPE = """Generate the manifest of this pin (it fetches the wheel by this hash and hashes every file of the tree):
   bazel run @megamoe_ep//tools:drop -- manifest --tree {tree} --version {version} --sha256 {sha256} --out <path>
-(from a megamoe-ep checkout: `bazel run //tools:drop -- manifest` with the same flags). Then pass the
-file to megamoe_ep_repositories(..., {tree}_manifest = "//<package>:<file>") next to the pin, or, in
-megamoe-ep itself, write it to third_party/cutedsl_megamoe/{tree}.manifest.json."""
+Run it where the drop repositories still fetch: the tool carries them, so in the workspace whose pin
+fails here it cannot build; in a megamoe-ep checkout it is `bazel run //tools:drop -- manifest` with
+the same flags. Then pass the file to megamoe_ep_repositories(..., {tree}_manifest = "//<package>:<file>")
+next to the pin, or, in megamoe-ep itself, write it to third_party/cutedsl_megamoe/{tree}.manifest.json."""
 
 def _recipe(ctx):
     return _RECIPE.format(tree = ctx.attr.tree, tree_upper = ctx.attr.tree.upper(), carrier = CARRIER)
