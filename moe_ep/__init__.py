@@ -17,6 +17,7 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
                                 KnobError)
 from moe_ep.core.backend import Backend
+from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
 from moe_ep.core.registry import (BackendInfo, detect_arch, list_backends, register_backend, select_backend,
                                   unregister_backend)
@@ -27,7 +28,7 @@ from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights
 __all__ = [
     "MoESpec", "ExpertWeights", "QuantizedWeights", "QuantizedActivation", "MoELayer", "Backend", "RankContext", "init_from_env",
     "FORMATS", "BackendInfo", "list_backends", "register_backend", "unregister_backend", "select_backend",
-    "detect_arch",
+    "detect_arch", "capture_graph",
     "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError", "NonContiguousError",
     "ExpertIndexError", "CapacityError", "SpecError", "FormatError", "CalibrationError", "WorldSizeError",
     "WeightsRankError", "ProcessGroupError", "PeerValidationError", "BackendNotFoundError",

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from moe_ep.core import registry
+from moe_ep.core import op, registry
 from moe_ep.core.dist import RankContext, run_agreed
 from moe_ep.core.errors import DTypeError, FormatError
 from moe_ep.core.spec import MoESpec
@@ -41,6 +41,7 @@ class MoELayer:
         self.check_values = check_values
         self.collective_checks = collective_checks
         self._backend = None
+        self.handle = op.register_layer(self)
 
         def resolve():
             if backend is None or backend == "auto":
@@ -99,7 +100,18 @@ class MoELayer:
     def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [T, H] bf16, topk_idx [T, K] int64/int32, topk_weights [T, K] fp32 -> [T, H] bf16 (written
-        into out when given). T may differ per rank and may be 0; T <= max_tokens_per_rank."""
+        into out when given). T may differ per rank and may be 0; T <= max_tokens_per_rank; a -1 slot in
+        topk_idx names no expert. Under torch.compile the call is one opaque custom op (moe_ep.core.op)."""
+        if torch.compiler.is_compiling():
+            if out is None:
+                return op.forward(hidden, topk_idx, topk_weights, self.handle)
+            op.forward_out(hidden, topk_idx, topk_weights, out, self.handle)
+            return out
+        return self.forward_eager(hidden, topk_idx, topk_weights, out)
+
+    def forward_eager(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The forward itself (validation, then the backend); what the custom op runs."""
         backend = self.backend
 
         def check():
@@ -117,6 +129,7 @@ class MoELayer:
         return self.backend.oracle_weights()
 
     def close(self) -> None:
+        op.unregister_layer(self.handle)
         if self._backend is not None:
             try:
                 self._backend.close()
