@@ -25,6 +25,8 @@ import pytest
 from tests.foundation import nested_bazel
 
 SECTION = "## Using moe_ep from your Bazel workspace"
+# No convenience symlinks in the source tree; actions run unsandboxed (this test already runs in the outer
+# Bazel's sandbox, and the nested test starts processes of its own); a plain log, 2 jobs as on CI.
 NESTED = ["--symlink_prefix=/", "--spawn_strategy=local", "--jobs=2", "--curses=no", "--color=no"]
 
 
