@@ -1,8 +1,9 @@
 """What every MegaMoE frontend does, whatever the tree and the data format.
 
 A frontend drives one kernel for one layer: it is built from the layer's MoESpec, its rank context and a
-knob set resolved beforehand (shim/common/backend.py), builds the kernel object, owns the buffers the kernel
-reads and writes, compiles once (process-wide cache by compile key) and launches. Format frontends say which
+knob set resolved beforehand (shim/common/backend.py), builds the kernel object, takes its share of the
+process's workspace (shim/common/workspace.py: the staging buffers, the kernel's workspaces and the graph
+memory are shared by every layer), compiles once (process-wide cache by compile key) and launches. Format frontends say which
 kernel class and constructor arguments, which peer-read input buffers and how to stage bf16 activations into
 them, and how weights are laid out (shim/<arch>/<format>_frontend.py). The layer has validated every input
 and the spec (shim/<arch>/limits.py) before a frontend sees them, so frontends do not check them again.
@@ -23,6 +24,7 @@ from moe_ep.core.spec import MoESpec
 from moe_ep.formats import QuantizedActivation
 from shim.common import compile_cache
 from shim.common.cute_args import ArgBuilder
+from shim.common.workspace import BufferSpec
 
 __all__ = ["MegaMoEFrontend"]
 
@@ -53,11 +55,10 @@ class MegaMoEFrontend:
         # scheduler group, as the drop's runners do.
         self.max_active_clusters = int(max_active_clusters)
         self.kernel = self.build_kernel(self.knobs)
-        self._heap = None
+        self._lease = None
         self._weights = None
         self._args_cache: Dict[Tuple[int, int, int], dict] = {}
         self._graphs: Dict[int, Any] = {}
-        self._graph_pool = None
         self.compiled = None
         self.compiled_from_cache = False
         self._alloc()
@@ -134,34 +135,43 @@ class MegaMoEFrontend:
         """The tree's kernel_symbols module (for SymBufferHost)."""
         raise NotImplementedError
 
-    # -- buffers -------------------------------------------------------------------------------------------
-    def _alloc(self) -> None:
-        c, h, k, dev = self.max_tokens_per_rank, self.hidden_size, self.top_k, self.device
-        local_bytes, shared_bytes = self.kernel.get_workspace_sizes()
-        if self.compile_only:
-            alloc = lambda shape, dt: torch.zeros(shape, dtype=dt)  # noqa: E731
-            self.shared_ws = alloc((shared_bytes,), torch.uint8)
-            self.peer_base, self.peer_offsets = 1 << 20, tuple(0 for _ in range(self.world_size))
+    # -- buffers: the layer's share of the process's workspace (shim/common/workspace.py) ---------------------
+    def staging_buffers(self) -> List[BufferSpec]:
+        """What a call stages and reads back, capacity-sized; overwritten every call, so shared by all layers."""
+        c, h, k = self.max_tokens_per_rank, self.hidden_size, self.top_k
+        specs = [BufferSpec(name, shape, dtype, True) for name, shape, dtype in self.input_buffers()]
+        specs.append(BufferSpec("topk_w", (c, k), torch.float32, True))
+        if self.knobs.fc2_in_kernel_topk_reduce:  # the ranks add their terms into it
+            specs.append(BufferSpec("sym_out", (c, h), torch.bfloat16, True))
         else:
-            from shim.common.symmetric import SymmetricHeap
+            specs.append(BufferSpec("out_buf", (c, h), torch.bfloat16, False))
+        specs += [BufferSpec("topk_idx", (c, k), torch.int64, False),
+                  BufferSpec("x_in", (c, h), torch.bfloat16, False)]  # the internal graphs' static input
+        return specs
 
-            self._heap = SymmetricHeap(group=self.ctx.group, rank=self.rank, world_size=self.world_size, device=dev)
-            alloc = self._heap.zeros
-            # First on the heap: its base anchors the peer-offset table for every later allocation.
-            self.shared_ws = alloc((shared_bytes,), torch.uint8)
-            self.peer_base, self.peer_offsets = self._heap.peer_offsets(self.shared_ws)
-        for name, shape, dtype in self.input_buffers():
-            if dtype.itemsize == 1 and dtype != torch.uint8:
-                setattr(self, name, alloc(shape, torch.uint8).view(dtype))
-            else:
-                setattr(self, name, alloc(shape, dtype))
-        self.topk_w = alloc((c, k), torch.float32)
-        self.sym_out = alloc((c, h), torch.bfloat16) if self.knobs.fc2_in_kernel_topk_reduce else None
-        local = (lambda shape, dt: torch.zeros(shape, dtype=dt, device=dev))
-        self.local_ws = local((local_bytes,), torch.uint8)
-        self.topk_idx = local((c, k), torch.int64)
-        self.out_buf = local((c, h), torch.bfloat16) if self.sym_out is None else self.sym_out
-        self.x_in = local((c, h), torch.bfloat16)  # the graphs' static input
+    def kernel_buffers(self) -> List[BufferSpec]:
+        """Rank-local buffers the kernel's launch needs beyond its workspaces, shared by its layout."""
+        return []
+
+    def _alloc(self) -> None:
+        from shim.common.workspace import pool_for
+
+        self._pool = pool_for(self.ctx, self.arch, self.compile_only)
+        self._lease = self._pool.acquire(id(self), self.staging_buffers(), self.compile_key(),
+                                         self.kernel.get_workspace_sizes(), self.kernel_buffers())
+        self._bind()
+
+    def _bind(self) -> None:
+        """(Re)bind this layer's views of the pool; after the pool grew, drop what holds the old addresses."""
+        for name, t in self._lease.views().items():
+            setattr(self, name, t)
+        if self.knobs.fc2_in_kernel_topk_reduce:
+            self.out_buf = self.sym_out
+        else:
+            self.sym_out = None
+        self.peer_base, self.peer_offsets = self._pool.peer_base, self._pool.peer_offsets
+        self._args_cache.clear()
+        self._graphs.clear()
 
     def symmetric_bytes(self) -> int:
         """Bytes this workspace holds on the NVSHMEM heap (every rank the same)."""
@@ -235,6 +245,8 @@ class MegaMoEFrontend:
         """
         if self._weights is None:
             raise RuntimeError("load_weights() must run before forward()")
+        if self._lease.stale:
+            self._bind()
         if self.compiled is None:
             self.compile()
         t = x.shape[0]
@@ -290,18 +302,17 @@ class MegaMoEFrontend:
         # at different calls. The module was loaded by the masked launch in compile(); the capture records
         # without running, and the caller's replay is this call's one launch.
         graph = torch.cuda.CUDAGraph()
-        # One memory pool for all of this workspace's graphs: they replay one at a time on one stream.
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # One memory pool for every layer's graphs: they replay one at a time on one stream.
+        with torch.cuda.graph(graph, pool=self._pool.graph_pool):
             self._launch(t, self.x_in[:t], None)
-        if self._graph_pool is None:
-            self._graph_pool = graph.pool()
         self._graphs[t] = graph
         return graph
 
     def close(self) -> None:
+        """Collective: this layer's graphs go, and its share of the workspace is released."""
         self._graphs.clear()
         self._args_cache.clear()
         self.compiled = None
-        if self._heap is not None:
-            self._heap.close()
-            self._heap = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None

@@ -90,6 +90,17 @@ class SymmetricHeap:
         offs = tuple(int(nvshmem.core.get_peer_tensor(root, r).data_ptr()) - base for r in range(self.world_size))
         return base, offs
 
+    def free(self, t: torch.Tensor) -> None:
+        """Collective: frees one allocation of this heap (every rank, same order)."""
+        import nvshmem.core
+
+        root = next((b for b in self._tensors if b.data_ptr() == t.data_ptr()), None)
+        if root is None:
+            raise ValueError("free needs the base of an allocation made by this heap")
+        torch.cuda.synchronize(self.device)
+        nvshmem.core.free_tensor(root)
+        self._tensors = [b for b in self._tensors if b is not root]
+
     def close(self) -> None:
         """Collective: frees this heap's allocations (every rank, same order)."""
         if not self._open:

@@ -149,6 +149,10 @@ class BlockScaledFrontend(Sm100Frontend):
     def _write_staged(self, t: int, q: torch.Tensor, sf: torch.Tensor) -> None:
         self.act[:t].view(torch.uint8).copy_(q.view(torch.uint8))
         self.act_sf[:t, : sf.shape[1]].view(torch.uint8).copy_(sf.view(torch.uint8))
+        if sf.shape[1] < self.scale_cols:
+            # The word padding dispatch moves with each row is zero, as the drop's runners stage it; the staging
+            # arena is shared by every layer, so it is written every call, not once.
+            self.act_sf[:t, sf.shape[1]:].view(torch.uint8).zero_()
 
     def staged_scales(self, t: int) -> torch.Tensor:
         return self.act_sf[:t, : self.hidden_size // SCALE_BLOCK[self.fmt]].clone()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from moe_ep.formats import QuantizedActivation, codecs
+from shim.common.workspace import BufferSpec
 from shim.sm100.frontend import BlockScaledFrontend, tensor_workspaces
 from shim.sm100.weights import SCALE_BLOCK
 
@@ -51,13 +52,11 @@ class Sm100Mxfp8Frontend(BlockScaledFrontend):
         pool = int(self.kernel.pool_token_capacity)
         return (pool, self.hidden_size), self.hidden_size * pool // SCALE_BLOCK["mxfp8"]
 
-    def _alloc(self) -> None:
-        super()._alloc()
-        # Rank-local (no peer reads them), on the device; the kernel overwrites what it writes each launch.
+    def kernel_buffers(self):
+        # Rank-local (no peer reads them), sized by the kernel's layout; the kernel overwrites what it writes.
         data_shape, sf_bytes = self.col_quant_shapes()
-        dev = self.device
-        self.col_quant_data = torch.zeros(data_shape, dtype=torch.uint8, device=dev).view(self.act_dtype)
-        self.col_quant_sf = torch.zeros((sf_bytes,), dtype=torch.uint8, device=dev)
+        return [BufferSpec("col_quant_data", data_shape, self.act_dtype, False),
+                BufferSpec("col_quant_sf", (sf_bytes,), torch.uint8, False)]
 
     def activation_args(self, b, rows: int):
         return dict(super().activation_args(b, rows), fc1_c=None)

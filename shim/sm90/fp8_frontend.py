@@ -55,13 +55,16 @@ class Sm90Fp8Frontend(Sm90Frontend):
 
     def stage_activations(self, x: torch.Tensor) -> None:
         # The bytes of moe_ep's format quantizer either way: the oracle re-derives them from the same bf16 input.
+        t, h = x.shape
         if self.staging == "fused":
             fp8_staging.launch_fused(x, self.act, self.act_sf)
-            return
-        t, h = x.shape
-        q, scale = codecs.fp8_quantize_rows(x, ACT_BLOCK, reciprocal=False)
-        self.act[:t].view(torch.uint8).copy_(q.view(torch.uint8))
-        self.act_sf[:t, : h // ACT_BLOCK].copy_(scale)
+        else:
+            q, scale = codecs.fp8_quantize_rows(x, ACT_BLOCK, reciprocal=False)
+            self.act[:t].view(torch.uint8).copy_(q.view(torch.uint8))
+            self.act_sf[:t, : h // ACT_BLOCK].copy_(scale)
+        if h // ACT_BLOCK < self.act_sf.shape[1]:
+            # Zero word padding, every call: the staging arena is shared by every layer (shim/common/workspace.py).
+            self.act_sf[:t, h // ACT_BLOCK:].zero_()
 
     def compile(self):
         compiled = super().compile()
