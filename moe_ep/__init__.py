@@ -15,7 +15,7 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 DeviceError, DTypeError, ExpertIndexError, FormatError, InputError, MoEError,
                                 NonContiguousError, OracleMismatchError, PeerValidationError, ProcessGroupError,
                                 ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
-                                KnobError)
+                                KnobError, ProcessGroupEnvError, WorkspaceError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
@@ -33,4 +33,5 @@ __all__ = [
     "ExpertIndexError", "CapacityError", "SpecError", "FormatError", "CalibrationError", "WorldSizeError",
     "WeightsRankError", "ProcessGroupError", "PeerValidationError", "BackendNotFoundError",
     "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
+    "ProcessGroupEnvError", "WorkspaceError",
 ]

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_ep.core.errors import PeerValidationError, ProcessGroupError
+from moe_ep.core.errors import PeerValidationError, ProcessGroupEnvError, ProcessGroupError
 
 __all__ = ["RankContext", "init_from_env", "agree", "run_agreed", "all_to_all_rows", "all_gather_tensor", "DEFAULT_TIMEOUT_S"]
 
@@ -67,11 +67,6 @@ class RankContext:
     @property
     def comm_device(self) -> torch.device:
         return self.device
-
-
-class ProcessGroupEnvError(ProcessGroupError):
-    """init_from_env: a process-group environment variable is missing, partial or malformed.
-    ``argument`` names the variable; the message says what to set."""
 
 
 def init_from_env(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> RankContext:

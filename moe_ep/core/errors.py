@@ -15,6 +15,7 @@ __all__ = [
     "NonContiguousError", "ExpertIndexError", "CapacityError", "SpecError", "FormatError",
     "CalibrationError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
     "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
+    "ProcessGroupEnvError", "WorkspaceError",
 ]
 
 
@@ -92,6 +93,16 @@ class WeightsRankError(MoEError, ValueError):
 
 class ProcessGroupError(MoEError, RuntimeError):
     pass
+
+
+class ProcessGroupEnvError(ProcessGroupError):
+    """init_from_env: a process-group environment variable is missing, partial or malformed.
+    ``argument`` names the variable; the message says what to set."""
+
+
+class WorkspaceError(MoEError, RuntimeError):
+    """The shared workspace cannot hold a new layer (device or symmetric-heap memory); refused on every rank
+    before anything was allocated."""
 
 
 class PeerValidationError(MoEError, RuntimeError):

@@ -31,17 +31,13 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import MoEError
+from moe_ep.core.errors import WorkspaceError
 
 __all__ = ["BufferSpec", "WorkspacePool", "WorkspaceError", "Lease", "pool_for"]
 
 _ALIGN = 256  # every buffer starts TMA- and vector-aligned
 # Headroom left free on the device when a workspace is sized: the caching allocator and NCCL need some.
 _DEVICE_HEADROOM = 512 << 20
-
-
-class WorkspaceError(MoEError, RuntimeError):
-    """The shared workspace cannot hold a new layer (device or symmetric-heap memory); nothing was allocated."""
 
 
 @dataclass(frozen=True)
