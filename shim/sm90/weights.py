@@ -60,22 +60,41 @@ class Sm90KernelWeights:
 
 
 def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch.device, *,
-                    expert_offset: int = 0) -> Sm90KernelWeights:
+                    expert_offset: int = 0, chunk_bytes: int = 1 << 30) -> Sm90KernelWeights:
     """Quantize (moe_ep's format quantizer, on `device`) and lay out for the `fmt` kernel.
 
-    The canonical quantized FC1 is a temporary: only its interleaved copy, the one the kernel reads, is kept."""
-    qw = quantize_weights(fmt, w13.to(device), w2.to(device), expert_offset=expert_offset)
-    if fmt == "bf16":
-        fc1 = codecs.interleave_gate_up(qw.w13_q)
-        return Sm90KernelWeights("bf16", expert_offset, fc1.permute(0, 2, 1), qw.w2_q.permute(0, 2, 1))
-    e = qw.num_experts
-    fc1 = codecs.interleave_gate_up(qw.w13_q.view(torch.uint8)).view(torch.float8_e4m3fn)
+    A few experts at a time, into the kernel's own tensors: the quantizer's fp32 temporaries stay near 1 GiB
+    whatever the layer's size, and the canonical quantized FC1 is never kept (only its interleaved copy, which
+    the kernel reads)."""
+    e, n2, h = w13.shape
+    i = w2.shape[2]
+    q_dtype = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
+    fc1 = torch.empty((e, n2, h), dtype=q_dtype, device=device)  # K-major storage, gate/up interleaved
+    fc2 = torch.empty((e, h, i), dtype=q_dtype, device=device)
+    fp8 = fmt != "bf16"
+    if fp8:
+        fc1_scale = torch.empty((e, n2 // 128, h // 128), dtype=torch.float32, device=device)
+        fc2_scale = torch.empty((e, h // 128, i // 128), dtype=torch.float32, device=device)
+    step = max(1, chunk_bytes // (n2 * h * 4))
+    for lo in range(0, e, step):
+        sl = slice(lo, min(e, lo + step))
+        qw = quantize_weights(fmt, w13[sl].to(device), w2[sl].to(device))
+        if fp8:
+            fc1[sl].view(torch.uint8).copy_(codecs.interleave_gate_up(qw.w13_q.view(torch.uint8)))
+            fc1_scale[sl].copy_(qw.w13_scale)
+            fc2_scale[sl].copy_(qw.w2_scale)
+        else:
+            fc1[sl].copy_(codecs.interleave_gate_up(qw.w13_q))
+        fc2[sl].copy_(qw.w2_q)
+        del qw
+    if not fp8:
+        return Sm90KernelWeights("bf16", expert_offset, fc1.permute(0, 2, 1), fc2.permute(0, 2, 1))
     ones = torch.ones(e, dtype=torch.float32, device=device)
     one = torch.ones(1, dtype=torch.float32, device=device)
     return Sm90KernelWeights(
-        "fp8_block", expert_offset, fc1.permute(0, 2, 1), qw.w2_q.permute(0, 2, 1),
-        fc1_scale=qw.w13_scale.contiguous(), fc2_scale=qw.w2_scale.contiguous(),
-        fc1_act_dequant=one, fc1_w_dequant=ones, fc2_act_dequant=one.clone(), fc2_w_dequant=ones.clone(),
+        "fp8_block", expert_offset, fc1.permute(0, 2, 1), fc2.permute(0, 2, 1), fc1_scale=fc1_scale,
+        fc2_scale=fc2_scale, fc1_act_dequant=one, fc1_w_dequant=ones, fc2_act_dequant=one.clone(),
+        fc2_w_dequant=ones.clone(),
     )
 
 
