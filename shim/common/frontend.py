@@ -58,7 +58,8 @@ class MegaMoEFrontend:
         self._lease = None
         self._weights = None
         self._args_cache: Dict[Tuple[int, int, int], dict] = {}
-        self._graphs: Dict[int, Any] = {}
+        self._graphs: Dict[Any, Any] = {}  # token count, or (token count, the caller's buffers) -> CUDA graph
+        self._seen: set = set()
         self.compiled = None
         self.compiled_from_cache = False
         self._alloc()
@@ -172,6 +173,7 @@ class MegaMoEFrontend:
         self.peer_base, self.peer_offsets = self._pool.peer_base, self._pool.peer_offsets
         self._args_cache.clear()
         self._graphs.clear()
+        self._seen.clear()
 
     def symmetric_bytes(self) -> int:
         """Bytes this workspace holds on the NVSHMEM heap (every rank the same)."""
@@ -239,9 +241,12 @@ class MegaMoEFrontend:
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Inputs are validated by moe_ep (shapes, dtypes, ids in range, T <= capacity); out [T, H] bf16.
 
-        Outside a stream capture, each token count gets one CUDA graph (staging + kernel) on first use and
-        every later call replays it: the CuTe executor costs ~200 us of host time per eager launch, a replay
-        ~10 us. Inside a caller's capture (the caller graphs the whole model) the launch is eager.
+        Outside a stream capture every call replays an internal CUDA graph: the CuTe executor costs ~200 us of
+        host time per eager launch on the H200 host, a replay a few. A caller that passes the same buffers again
+        (an engine's static buffers, or a loop whose tensors the allocator hands back at the same addresses)
+        gets a graph that reads and writes them in place, the routing copies inside it: one replay is the whole
+        call. Any other call copies its inputs into the workspace and replays the graph of its token count.
+        Inside a caller's capture (the caller graphs the whole model) the launch is eager.
         """
         if self._weights is None:
             raise RuntimeError("load_weights() must run before forward()")
@@ -253,21 +258,38 @@ class MegaMoEFrontend:
         if out is None:
             out = torch.empty((t, self.hidden_size), dtype=torch.bfloat16, device=self.device)
         if self.use_graphs and not self.compile_only and not torch.cuda.is_current_stream_capturing():
-            if t:
-                self.x_in[:t].copy_(x)
-                self.topk_idx[:t].copy_(topk_idx)
-                self.topk_w[:t].copy_(topk_weights)
-            graph = self._graphs.get(t)
+            key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
+            graph = self._graphs.get(key)
             if graph is None:
-                graph = self._capture(t)
+                if key not in self._seen:
+                    # Seen once: buffers that do not come back would each cost a capture. Copy and replay.
+                    if len(self._seen) >= 4 * self.max_graphs:
+                        self._seen.clear()
+                    self._seen.add(key)
+                    return self._replay_by_token_count(t, x, topk_idx, topk_weights, out)
+                graph = self._capture(key, t, lambda: self._launch_in_place(t, x, topk_idx, topk_weights, out))
             graph.replay()
-            if t:
-                out.copy_(self.out_buf[:t])
             return out
+        self._launch_in_place(t, x, topk_idx, topk_weights, out)
+        return out
+
+    def _launch_in_place(self, t: int, x, topk_idx, topk_weights, out) -> None:
         if t:
             self.topk_idx[:t].copy_(topk_idx)
             self.topk_w[:t].copy_(topk_weights)
         self._launch(t, x[:t], out)
+
+    def _replay_by_token_count(self, t: int, x, topk_idx, topk_weights, out) -> torch.Tensor:
+        if t:
+            self.x_in[:t].copy_(x)
+            self.topk_idx[:t].copy_(topk_idx)
+            self.topk_w[:t].copy_(topk_weights)
+        graph = self._graphs.get(t)
+        if graph is None:
+            graph = self._capture(t, t, lambda: self._launch(t, self.x_in[:t], None))
+        graph.replay()
+        if t:
+            out.copy_(self.out_buf[:t])
         return out
 
     def _launch(self, t: int, x: torch.Tensor, out: Optional[torch.Tensor]) -> None:
@@ -295,7 +317,7 @@ class MegaMoEFrontend:
         if out is not None and not direct and t > 0:
             out.copy_(self.out_buf[:t])
 
-    def _capture(self, t: int):
+    def _capture(self, key, t: int, launch):
         if len(self._graphs) >= self.max_graphs:
             self._graphs.clear()
         # No warm-up launch here: every launch is collective across ranks, and ranks meet a new token count
@@ -304,8 +326,8 @@ class MegaMoEFrontend:
         graph = torch.cuda.CUDAGraph()
         # One memory pool for every layer's graphs: they replay one at a time on one stream.
         with torch.cuda.graph(graph, pool=self._pool.graph_pool):
-            self._launch(t, self.x_in[:t], None)
-        self._graphs[t] = graph
+            launch()
+        self._graphs[key] = graph
         return graph
 
     def close(self) -> None:
