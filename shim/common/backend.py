@@ -59,14 +59,24 @@ class KernelBackend(Backend):
 
     # -- knobs, once, before any workspace -------------------------------------------------------------------
     def resolve_knobs(self, weights: ExpertWeights):
-        """(knob set, where it came from): explicit > knob cache > heuristic; "auto" tunes on a cache miss."""
+        """(knob set, where it came from): explicit > knob cache > shipped table > heuristic; "auto" tunes on a
+        cache miss (a shipped entry counts as tuned: "auto" takes it rather than tune again)."""
         if self.requested_knobs == "auto":
-            hit = KnobCache().get(self.knob_cache_key)
-            if hit is None:
+            if KnobCache().get(self.knob_cache_key) is None and self.shipped_knobs() is None:
                 return self.autotune(weights), "autotune"
         return self.knobs_module.resolve_knobs(self.requested_knobs, fmt=self.fmt,
                                                max_tokens_per_rank=self.spec.max_tokens_per_rank,
-                                               cache_key=self.knob_cache_key)
+                                               cache_key=self.knob_cache_key, shipped=self.shipped_knobs)
+
+    def shipped_knobs(self):
+        """The shipped table's knobs for this layer on this GPU and this (verified) drop, or None."""
+        from shim.common import knob_table, tree
+
+        provenance = tree.tree_provenance(self.arch) or {}
+        drop = provenance.get("carrier_sha256") if provenance.get("verified") and not provenance.get("unpinned") \
+            else None
+        hit = knob_table.lookup(self.arch, self.knob_cache_key, knob_table.device_name(self.ctx.device), drop)
+        return None if hit is None else hit[0]
 
     def make_frontend(self, knobs):
         """A frontend (one workspace) for this layer with the given knob set."""

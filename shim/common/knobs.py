@@ -48,11 +48,14 @@ class KnobSet:
 
 
 def resolve_knob_set(knobs, *, knob_type: Type[K], heuristic: Callable[[], K], validate: Callable[[K], K],
-                     cache_key: str, cache=None) -> Tuple[K, str]:
-    """Explicit > persistent cache > heuristic. Returns (validated knobs, where they came from).
+                     cache_key: str, cache=None, shipped: Optional[Callable[[], Optional[Dict[str, Any]]]] = None
+                     ) -> Tuple[K, str]:
+    """Explicit > persistent cache > shipped table > heuristic. Returns (validated knobs, where they came from:
+    "explicit", "cache", "table" or "heuristic").
 
     knobs: a `knob_type` instance (used as is), a dict (overrides on top of the heuristic), or None /
-    "auto" (cache, else heuristic; "auto" tuning itself happens elsewhere, before or after this).
+    "auto" (cache, else table, else heuristic; "auto" tuning itself happens elsewhere, on a cache miss).
+    shipped: returns the shipped table's knobs for this layer (shim/common/knob_table.py), or None.
     """
     from shim.common.knob_cache import KnobCache
 
@@ -67,4 +70,7 @@ def resolve_knob_set(knobs, *, knob_type: Type[K], heuristic: Callable[[], K], v
     hit: Optional[Dict[str, Any]] = (cache or KnobCache()).get(cache_key)
     if hit is not None:
         return validate(knob_type.from_json(hit)), "cache"
+    tuned = shipped() if shipped is not None else None
+    if tuned is not None:
+        return validate(knob_type.from_json(tuned)), "table"
     return validate(heuristic()), "heuristic"
