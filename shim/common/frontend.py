@@ -190,6 +190,14 @@ class MegaMoEFrontend:
         self._graphs.clear()
         return self._weights
 
+    def adopt_weights(self, kernel_weights) -> None:
+        """Take kernel weights another frontend of the same format and geometry laid out (the tuner's candidates
+        share one layout: it does not depend on the knobs)."""
+        self._weights = kernel_weights
+        self._args_cache.clear()
+        self._graphs.clear()
+        self._seen.clear()
+
     @property
     def weights(self):
         return self._weights
@@ -215,7 +223,9 @@ class MegaMoEFrontend:
         return (self.arch, self.fmt, type(self.kernel).__name__, self.knobs, self.spec, self.world_size, self.rank,
                 self.max_active_clusters, self.compile_only)
 
-    def compile(self):
+    def build_compiled(self):
+        """The `cute.compile` alone (host work only; process-wide cache by compile key). compile() also loads
+        the module on the device; a tuner compiles many candidates in parallel with this, off the GPU."""
         import cutlass.cute as cute
 
         b = ArgBuilder(real=not self.compile_only)
@@ -226,6 +236,10 @@ class MegaMoEFrontend:
             return cute.compile(self.kernel, **kwargs)
 
         self.compiled, self.compiled_from_cache = compile_cache.get_or_compile(self.compile_key(), build)
+        return self.compiled
+
+    def compile(self):
+        self.build_compiled()
         if not self.compile_only and self._weights is not None:
             # One launch with every row masked (all ranks build their layers together, so it is collective):
             # loads the module and settles lazy initialisation before any graph capture needs it.

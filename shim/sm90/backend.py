@@ -16,10 +16,14 @@ class Sm90Backend(KernelBackend):
     knobs_module = sm90_knobs
 
     def autotune(self, weights):
-        from shim.sm90.tune import autotune
+        from shim.sm90 import tune
 
-        winner, self.autotune_result = autotune(self.make_frontend, weights, fmt=self.fmt, spec=self.spec,
-                                                cache_key=self.knob_cache_key, group=self.ctx.group)
+        w = self.ctx.world_size
+        cands = tune.candidate_knobs(self.fmt, self.spec, w,
+                                     build_check=tune.build_check(self.frontend_class(), self.spec, w))
+        winner, self.autotune_result = tune.autotune(self.make_frontend, weights, fmt=self.fmt, spec=self.spec,
+                                                     cache_key=self.knob_cache_key, world_size=w, candidates=cands,
+                                                     group=self.ctx.group)
         return winner
 
 

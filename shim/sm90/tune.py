@@ -1,88 +1,213 @@
-"""knobs="auto" for the Hopper kernels: a candidate list, timed collectively, the winner cached.
+"""Searching the Hopper kernels' knob space: the candidates, the build check, the timing, and knobs="auto".
 
-Candidates: the drop's heuristic rows for the capacity's bucket and its two neighbours, then perf-knob
-variants (group_hint) of the capacity's own row. Every candidate is validated before the list is used, so all
-ranks hold the same list of configs and allocate their symmetric buffers in lockstep while timing.
+Two stages, as the H200 sweeps of 2026-11-30 suggest (docs/tuning.md): the structural knobs decide most of the
+time (operand order, tile, cluster shape, ping-pong: up to 2x between candidates at one capacity), the
+scheduling knobs refine the best few (group_hint, token-back mode, tail-split pairs, flag batching: a few
+percent to 20%). Stage 1 enumerates every structural combination the kernel accepts, ranks them by how well
+the token tile fits the tokens each expert receives at this capacity (plus the drop's own table rows and the
+measured winners), and keeps the best-ranked. Stage 2 varies one scheduling knob at a time around the stage-1
+winners. Candidates the kernel's constructor rejects are dropped before anything compiles (build_check).
+
+tools/tune drives this over many geometries with parallel compiles (one GPU, candidates timed one at a time);
+knobs="auto" on a layer runs `autotune` below: one process per rank, the same short list on every rank, timed
+collectively (the slowest rank decides), the winner written to the knob cache.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from moe_ep.core.dist import RankContext
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.spec import MoESpec
 from shim.common.autotune import AutotuneResult, collective_autotune
 from shim.common.knob_cache import KnobCache
-from shim.sm90.knobs import InvalidKnobsError, Sm90Knobs, heuristic_knobs
+from shim.sm90.knobs import KNOB_SPACE, KERNEL_CLASS, InvalidKnobsError, Sm90Knobs, heuristic_knobs
 
-__all__ = ["candidate_knobs", "autotune"]
+__all__ = ["structural_candidates", "scheduling_candidates", "candidate_knobs", "build_check", "time_frontend",
+           "synthetic_inputs", "autotune", "MEASURED_WINNERS"]
+
+# Structural winners measured on the H200 (DeepSeek-V3 geometry, FP8, world size 1, 2026-11-30 sweeps): ranked
+# first wherever their token tile fits, whatever the table says.
+MEASURED_WINNERS = (
+    dict(swap_ab=False, mma_tiler_mnk=(64, 128, 128), cluster_shape_mnk=(1, 2, 1), pingpong=True),
+    dict(swap_ab=False, mma_tiler_mnk=(64, 128, 128), cluster_shape_mnk=(1, 1, 1), pingpong=False),
+    dict(swap_ab=False, mma_tiler_mnk=(64, 256, 128), cluster_shape_mnk=(2, 1, 1), pingpong=False),
+)
+_CLUSTERS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1))
 
 
-def candidate_knobs(fmt: str, max_tokens_per_rank: int,
-                    build_check: Optional[Callable[[Sm90Knobs], None]] = None) -> List[Sm90Knobs]:
+def _tokens_per_expert(spec: MoESpec, world_size: int) -> float:
+    """Tokens one local expert receives at full capacity under balanced routing: T * K / E_local."""
+    return spec.max_tokens_per_rank * spec.top_k / spec.experts_per_rank(world_size)
+
+
+def _structural(fmt: str) -> Iterable[Sm90Knobs]:
+    kernel = KERNEL_CLASS[fmt]
+    space = KNOB_SPACE[kernel]
+    for tile in space["mma_tiler_mnk"]:
+        m, n, _ = tile
+        # Swap-AB puts the tokens on N (8..128), the plain order on M (64 / 128 with N 128 / 256).
+        for swap in ((True,) if m in (128, 256) and n <= 64 else (False,) if m == 64 else (False, True)):
+            for cluster in _CLUSTERS:
+                for pingpong in (False, True):
+                    yield Sm90Knobs(swap_ab=swap, mma_tiler_mnk=tile, cluster_shape_mnk=cluster, pingpong=pingpong,
+                                    kernel=kernel)
+
+
+def _fit(knobs: Sm90Knobs, per_expert: float) -> float:
+    """How badly the token tile (times the token cluster) fits the tokens per expert: 0 is a perfect fit."""
+    tile = knobs.token_tile * knobs.token_cluster
+    return abs(math.log2(max(tile, 1) / max(per_expert, 1.0)))
+
+
+def structural_candidates(fmt: str, spec: MoESpec, world_size: int = 1, limit: int = 14,
+                          accepts: Optional[Callable[[Sm90Knobs], bool]] = None) -> List[Sm90Knobs]:
+    """Stage 1: the heuristic's own row first, the drop's table rows of the neighbouring buckets and the
+    measured winners next, then every other structural combination by fit; rejected ones dropped; `limit`
+    kept. Structural knobs only: the scheduling ones stay at the heuristic's values."""
     from shim.sm90 import kernel_symbols as ks
 
-    b = ks.token_bucket(max(max_tokens_per_rank, 1))
-    buckets = [x for x in ks.TOKEN_BUCKETS if b // 2 <= x <= b * 2]
-    base = heuristic_knobs(fmt, max_tokens_per_rank)
-    cands: List[Sm90Knobs] = [base]
-    for x in buckets:
-        cands.append(heuristic_knobs(fmt, x))
-    for gh in (None, 132, 264):
-        cands.append(base.replace(group_hint=gh))
+    c = spec.max_tokens_per_rank
+    base = heuristic_knobs(fmt, c)
+    per_expert = _tokens_per_expert(spec, world_size)
+    sched = dict(group_hint=base.group_hint, token_back_mode=base.token_back_mode, accum_mode=base.accum_mode)
+
+    def structural(k: Sm90Knobs) -> Sm90Knobs:
+        return k.replace(group_hint=sched["group_hint"], token_back_mode=sched["token_back_mode"],
+                         accum_mode=sched["accum_mode"], tail_split_pairs=False, flag_batch=1, epi_flag_batch=1)
+
+    first: List[Sm90Knobs] = [base]
+    b = ks.token_bucket(max(c, 1))
+    first += [structural(heuristic_knobs(fmt, x)) for x in ks.TOKEN_BUCKETS if b // 4 <= x <= b * 4 and x != b]
+    first += [Sm90Knobs(kernel=KERNEL_CLASS[fmt], **w) for w in MEASURED_WINNERS if fmt == "fp8_block"]
+    rest = sorted((structural(k) for k in _structural(fmt)), key=lambda k: (_fit(k, per_expert), repr(k)))
+    ranked = _keep(first + rest, limit + 64, accepts)
+    # Both operand orders stay in the race (their fit is not comparable across orders at the extremes).
+    keep = ranked[:limit]
+    for swap in (False, True):
+        have = [k for k in keep if k.swap_ab == swap]
+        for k in [k for k in ranked[limit:] if k.swap_ab == swap][:max(0, 2 - len(have))]:
+            drop = next(i for i in range(len(keep) - 1, 0, -1) if sum(c.swap_ab == keep[i].swap_ab for c in keep) > 2)
+            keep[drop] = k
+    return keep
+
+
+def scheduling_candidates(best: Sequence[Sm90Knobs], limit: int = 10,
+                          accepts: Optional[Callable[[Sm90Knobs], bool]] = None) -> List[Sm90Knobs]:
+    """Stage 2: around each of the stage-1 winners, one scheduling knob changed at a time (group_hint,
+    token-back mode, tail-split pairs where the cluster allows them, flag batching)."""
     out: List[Sm90Knobs] = []
-    seen = set()
-    for c in cands:
-        if c in seen:  # each distinct config is validated (and build-checked) once
+    for k in best:
+        out += [k.replace(group_hint=g) for g in (None, 66, 132, 264) if g != k.group_hint]
+        out += [k.replace(token_back_mode=m) for m in ("epi_warps", "standalone_warps", "reuse_dispatch_warps")
+                if m != k.token_back_mode]
+        if k.token_cluster == 2 and k.weight_cluster == 1:
+            out.append(k.replace(tail_split_pairs=not k.tail_split_pairs))
+        out += [k.replace(flag_batch=f) for f in (2, 4) if f != k.flag_batch]
+        out += [k.replace(epi_flag_batch=f) for f in (2, 4) if f != k.epi_flag_batch]
+    return _keep(out, limit, accepts, exclude=set(best))
+
+
+def _keep(cands: Iterable[Sm90Knobs], limit: int, accepts, exclude=()) -> List[Sm90Knobs]:
+    out: List[Sm90Knobs] = []
+    seen = set(exclude)
+    for k in cands:
+        if k in seen:
             continue
-        seen.add(c)
+        seen.add(k)
         try:
-            c.validate()
-            if build_check is not None:
-                build_check(c)
+            k.validate()
         except InvalidKnobsError:
             continue
-        out.append(c)
+        if accepts is not None and not accepts(k):
+            continue
+        out.append(k)
+        if len(out) >= limit:
+            break
     return out
 
 
+def build_check(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132):
+    """accepts(knobs) -> bool: whether the kernel's constructor takes this knob set for this geometry (no
+    buffers, no compile: the constructor is where the kernel states what it refuses)."""
+
+    def accepts(knobs: Sm90Knobs) -> bool:
+        fe = object.__new__(frontend_cls)  # the constructor arguments, without the frontend's buffers
+        fe.spec, fe.ctx, fe.knobs, fe.compile_only = spec, RankContext.detached(0, world_size), knobs, True
+        fe.max_active_clusters = max_active_clusters
+        try:
+            fe.build_kernel(knobs)
+            return True
+        except InvalidKnobsError:
+            return False
+
+    return accepts
+
+
+def candidate_knobs(fmt: str, spec: MoESpec, world_size: int = 1, limit: int = 6,
+                    build_check: Optional[Callable[[Sm90Knobs], bool]] = None) -> List[Sm90Knobs]:
+    """knobs="auto"'s short list: stage 1's best-ranked `limit` (the heuristic's row first)."""
+    return structural_candidates(fmt, spec, world_size, limit=limit, accepts=build_check)
+
+
+def synthetic_inputs(spec: MoESpec, tokens: int, device, seed: int = 0):
+    """A balanced routing at `tokens` (each token's K distinct experts uniformly at random), the same on every
+    rank and every run: what candidates are timed on."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, spec.hidden_size, generator=gen).to(torch.bfloat16).to(device)
+    idx = torch.rand(max(tokens, 1), spec.num_experts, generator=gen).argsort(dim=1)[:tokens, :spec.top_k].to(device)
+    w = torch.softmax(torch.randn(tokens, spec.top_k, generator=gen), dim=-1).to(device)
+    out = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device=device)
+    return x, idx, w, out
+
+
+def time_frontend(fe, inputs, iters: int = 30, quick: int = 5, cutoff_us: float = math.inf) -> Tuple[List[float], bool]:
+    """(per-replay microseconds, cut short?) of one forward captured in a CUDA graph and replayed: an eager
+    launch costs ~200 us of host time on the H200 host, more than the kernel at small T, and would make every
+    candidate look alike. After `quick` replays a candidate slower than `cutoff_us` stops there."""
+    x, idx, w, out = inputs
+    dev = fe.device
+    graph = capture_graph(lambda: fe.forward(x, idx, w, out), warmup=2, device=dev)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize(dev)
+    times: List[float] = []
+    for i in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+        if i + 1 == quick and statistics.median(times) > cutoff_us:
+            del graph
+            return times, True
+    del graph
+    return times, False
+
+
 def autotune(make_frontend: Callable[[Sm90Knobs], object], weights, *, fmt: str, spec: MoESpec, cache_key: str,
-             cache: Optional[KnobCache] = None, group=None, iters: int = 20, tokens: Optional[int] = None,
+             world_size: int = 1, candidates: Optional[Sequence[Sm90Knobs]] = None, cache: Optional[KnobCache] = None,
+             group=None, iters: int = 20, tokens: Optional[int] = None,
              progress: bool = True) -> Tuple[Sm90Knobs, AutotuneResult]:
-    """Times each candidate on a balanced synthetic routing at `tokens` (default: the capacity)."""
-    cands = candidate_knobs(fmt, spec.max_tokens_per_rank)
+    """knobs="auto": every rank times the same candidates (default: candidate_knobs) on a balanced synthetic
+    routing at `tokens` (default: the capacity); the slowest rank decides; rank 0 writes the winner to the
+    knob cache when $MOE_EP_KNOB_CACHE names one."""
+    cands = list(candidates) if candidates is not None else candidate_knobs(fmt, spec, world_size)
     t = tokens or spec.max_tokens_per_rank
-    gen = torch.Generator().manual_seed(0)  # the same synthetic batch on every rank
 
     def time_candidate(knobs: Sm90Knobs):
         fe = make_frontend(knobs)
         try:
             fe.load_weights(weights)
             fe.compile()
-            dev = fe.device
-            x = torch.randn(t, spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
-            idx = torch.rand(t, spec.num_experts, generator=gen).argsort(dim=1)[:, :spec.top_k].to(dev)
-            w = torch.softmax(torch.randn(t, spec.top_k, generator=gen), dim=-1).to(dev)
-            out = torch.empty(t, spec.hidden_size, dtype=torch.bfloat16, device=dev)
-            # Timed as CUDA-graph replays: an eager launch costs ~200 us of host time on the H200 host, more
-            # than the kernel itself at small T, and would make every candidate look alike.
-            graph = capture_graph(lambda: fe.forward(x, idx, w, out), warmup=2, device=dev)
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize(dev)
-            times = []
-            for _ in range(iters):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
-            del graph
-            return times
+            return time_frontend(fe, synthetic_inputs(spec, t, fe.device), iters=iters, quick=iters)[0]
         finally:
             fe.close()
 

@@ -90,21 +90,62 @@ def test_invalid_knobs_are_rejected_by_name(bad, knob):
     assert isinstance(e.value, moe_ep.KnobError) and e.value.argument == knob
 
 
+def _spec(capacity, h=7168, i=2048, e=32, k=8):
+    return moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k, max_tokens_per_rank=capacity)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_block", "bf16"])
 @pytest.mark.parametrize("capacity", [1, 128, 700, 4096])
-def test_autotune_candidates_are_valid_unique_and_start_with_the_heuristic(fmt, capacity):
+def test_stage_one_starts_with_the_heuristic_and_is_valid_and_unique(fmt, capacity):
     from shim.sm90.knobs import heuristic_knobs
-    from shim.sm90.tune import candidate_knobs
+    from shim.sm90.tune import structural_candidates
 
-    cands = candidate_knobs(fmt, capacity)
+    cands = structural_candidates(fmt, _spec(capacity), limit=14)
     assert cands[0] == heuristic_knobs(fmt, capacity)
-    assert len(cands) == len(set(cands)) >= 2
+    assert len(cands) == len(set(cands)) == 14
     for c in cands:
         assert c.validate() is c and c.kernel == cands[0].kernel
+    # Both operand orders are searched, and more than one cluster shape.
+    assert {c.swap_ab for c in cands} == {False, True}
+    assert len({c.cluster_shape_mnk for c in cands}) >= 2
+
+
+def test_stage_one_ranks_token_tiles_by_fit():
+    """At 2 tokens per expert a swap-AB N=8 tile fits; at ~1000 the plain order's 64/128-row tiles do."""
+    from shim.sm90.tune import _fit, structural_candidates
+
+    small = structural_candidates("fp8_block", _spec(8), limit=30)
+    large = structural_candidates("fp8_block", _spec(4096), limit=30)
+    tail = lambda cands, pe: [_fit(c, pe) for c in cands[8:]]  # noqa: E731 (past the table rows and winners)
+    assert tail(small, 2) == sorted(tail(small, 2)) and tail(large, 1024) == sorted(tail(large, 1024))
+    assert min(c.token_tile for c in small[8:]) == 8
+
+
+def test_the_build_check_drops_what_the_kernel_refuses():
     rejected = []
-    assert candidate_knobs(fmt, capacity, build_check=lambda k: rejected.append(k) or (_ for _ in ()).throw(
-        __import__("shim.sm90.knobs", fromlist=["x"]).InvalidKnobsError("knobs", "refused"))) == []
-    assert len(rejected) == len(cands)
+
+    def refuse_pingpong(k):
+        rejected.append(k)
+        return not k.pingpong
+
+    from shim.sm90.tune import structural_candidates
+
+    cands = structural_candidates("fp8_block", _spec(128), limit=10, accepts=refuse_pingpong)
+    assert cands and not any(c.pingpong for c in cands) and any(r.pingpong for r in rejected)
+
+
+def test_stage_two_changes_one_scheduling_knob_at_a_time():
+    from shim.sm90.knobs import CORRECTNESS_KNOBS, heuristic_knobs
+    from shim.sm90.tune import scheduling_candidates
+
+    base = heuristic_knobs("fp8_block", 512)
+    cands = scheduling_candidates([base], limit=20)
+    assert cands and base not in cands
+    for c in cands:
+        changed = [f for f in ("group_hint", "token_back_mode", "tail_split_pairs", "flag_batch", "epi_flag_batch")
+                   if getattr(c, f) != getattr(base, f)]
+        assert len(changed) == 1, changed
+        assert all(getattr(c, f) == getattr(base, f) for f in CORRECTNESS_KNOBS if f not in changed)
 
 
 def test_correctness_and_perf_knobs_partition_the_knob_set():

@@ -1,0 +1,3 @@
+from tools.tune.tune import main
+
+raise SystemExit(main())
