@@ -153,5 +153,152 @@ def test_zero_tokens(layer):
     assert out.shape == (0, layer.spec.hidden_size)
 
 
+def _fp8_tol(layer):
+    return max(OUTPUT_TOLERANCE["fp8_block"], 0.75 / layer.spec.intermediate_size ** 0.5) if layer.fmt == "fp8_block" \
+        else None
+
+
+@pytest.mark.parametrize("t", [64, 1000])
+def test_minus_one_slots_contribute_nothing(layer, t, case_log, shared_seed):
+    """-1 in topk_idx (engines pad with it, load balancers mask with it): the kernel's dispatch skips the slot
+    and its masked top-k reduce leaves it out; a row of -1 comes back exactly zero; the oracle agrees."""
+    gen = torch.Generator().manual_seed(shared_seed(layer.rank))
+    dev = layer.device
+    hidden = torch.randn(t, layer.spec.hidden_size, generator=gen).to(torch.bfloat16).to(dev)
+    idx, w = routing(t, layer.spec.num_experts, layer.spec.top_k, False, gen, dev)
+    idx = idx.masked_fill(torch.rand(idx.shape, generator=gen).to(dev) < 0.25, -1)
+    idx[::5] = -1
+    out = torch.full((t, layer.spec.hidden_size), float("nan"), dtype=torch.bfloat16, device=dev)
+    layer(hidden, idx, w, out=out)
+    torch.cuda.synchronize()
+    report = check_multirank(layer, hidden, idx, w, out, weights=layer.weights, tol=_fp8_tol(layer),
+                             raise_on_failure=False)
+    mine = report.mine(layer.rank)
+    zero_rows = bool((out[::5] == 0).all())
+    case_log(suite="sm90", backend=layer.backend_name, geom=layer.geom, case="minus_one_slots", T=t,
+             masked_slots=int((idx == -1).sum()), all_masked_rows_zero=zero_rows, rel_l2=mine.rel_l2_err,
+             max_row_rel=mine.max_row_rel_err, ok=report.ok)
+    assert report.ok, report.summary()
+    assert zero_rows and mine.nan_count == 0
+
+
+def test_the_same_buffers_with_new_contents(layer, case_log, shared_seed):
+    """Buffers that come back are graphed in place (the routing copies and the staging inside the graph): new
+    contents in the same buffers give what fresh buffers give, bitwise."""
+    gen = torch.Generator().manual_seed(shared_seed(layer.rank))
+    dev = layer.device
+    t = 96
+    hidden = torch.empty(t, layer.spec.hidden_size, dtype=torch.bfloat16, device=dev)
+    idx = torch.empty(t, layer.spec.top_k, dtype=torch.int64, device=dev)
+    w = torch.empty(t, layer.spec.top_k, dtype=torch.float32, device=dev)
+    out = torch.empty(t, layer.spec.hidden_size, dtype=torch.bfloat16, device=dev)
+    same = []
+    for _ in range(4):
+        hidden.copy_(torch.randn(t, layer.spec.hidden_size, generator=gen).to(torch.bfloat16))
+        i2, w2 = routing(t, layer.spec.num_experts, layer.spec.top_k, False, gen, dev)
+        idx.copy_(i2)
+        w.copy_(w2)
+        layer(hidden, idx, w, out=out)
+        fresh = layer(hidden.clone(), idx.clone(), w.clone())
+        torch.cuda.synchronize()
+        same.append(torch.equal(out.view(torch.int16), fresh.view(torch.int16)))
+    case_log(suite="sm90", backend=layer.backend_name, geom=layer.geom, case="same_buffers_new_contents",
+             identical=same)
+    assert all(same)
+
+
+def _layer(spec, fmt, rank, world, seed, **kw):
+    gen = torch.Generator().manual_seed(seed + rank)
+    el = spec.num_experts // world
+    h, i = spec.hidden_size, spec.intermediate_size
+    w = moe_ep.ExpertWeights(w13=(torch.randn(el, 2 * i, h, generator=gen) / h ** 0.5).to(torch.bfloat16).cuda(),
+                             w2=(torch.randn(el, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).cuda(),
+                             rank=rank, world_size=world, num_experts=spec.num_experts)
+    backend = {"fp8_block": "sm90_fp8_cutedsl", "bf16": "sm90_bf16_cutedsl"}[fmt]
+    lay = moe_ep.MoELayer(spec, w, backend=backend, device=torch.device("cuda"), **kw)
+    lay.weights = w
+    return lay
+
+
+def test_layers_of_different_geometry_and_format_share_one_workspace(dist_ctx, case_log, shared_seed):
+    """Three layers (two formats, three geometries and capacities, so three kernel workspace layouts) in one
+    process, called in turn, each checked against the oracle; an idle rank (T = 0) still takes part. Then they
+    are closed and built again three times: the device memory left after each round does not grow."""
+    from shim.common.workspace import live_pools
+
+    rank, world = dist_ctx
+    defs = [(moe_ep.MoESpec(7168, 2048, 32 * world, 8, 512), "fp8_block"),
+            (moe_ep.MoESpec(2048, 768, 16 * world, 4, 4096), "bf16"),
+            (moe_ep.MoESpec(2048, 768, 16 * world, 4, 128), "fp8_block")]
+    after_round = []
+    before = {id(p): p.stats() for p in live_pools()}  # a fixture's layer may still be open
+    for round_ in range(4):
+        layers = [_layer(spec, fmt, rank, world, 100 * j) for j, (spec, fmt) in enumerate(defs)]
+        for call in range(2 if round_ == 0 else 1):
+            for j, lay in enumerate(layers):
+                gen = torch.Generator().manual_seed(shared_seed(rank + 10 * j))
+                t = 0 if (world > 1 and rank == 1 and j == 1) else min(lay.capacity, 37 + 50 * j)
+                hidden = torch.randn(t, lay.spec.hidden_size, generator=gen).to(torch.bfloat16).cuda()
+                idx, w = routing(t, lay.spec.num_experts, lay.spec.top_k, False, gen, torch.device("cuda"))
+                out = torch.full((t, lay.spec.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+                lay(hidden, idx, w, out=out)
+                report = check_multirank(lay, hidden, idx, w, out, weights=lay.weights, tol=_fp8_tol(lay),
+                                         raise_on_failure=False)
+                case_log(suite="sm90", case="shared_workspace", round=round_, call=call, layer=j, T=t, fmt=lay.fmt,
+                         rel_l2=report.mine(rank).rel_l2_err, ok=report.ok)
+                assert report.ok, report.summary()
+        grown = [(p.stats()["layers"] - before.get(id(p), {}).get("layers", 0),
+                  p.stats()["kernel_layouts"] - before.get(id(p), {}).get("kernel_layouts", 0)) for p in live_pools()]
+        assert (3, 3) in grown, grown
+        for lay in reversed(layers):
+            lay.close()
+        del layers
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        after_round.append(torch.cuda.mem_get_info()[0])
+        assert all(p.stats()["layers"] == before.get(id(p), {}).get("layers", 0) for p in live_pools())
+    growth = (after_round[1] - after_round[-1]) / 2 ** 20  # free memory lost between round 1 and the last
+    case_log(suite="sm90", case="close_and_rebuild", free_after_each_round_MiB=[f / 2 ** 20 for f in after_round],
+             lost_MiB=growth)
+    assert growth < 64, f"{growth:.0f} MiB of device memory not given back over rounds 1-3"
+
+
+def test_a_model_compiles_with_torch_compile_and_graphs_whole(dist_ctx, case_log, shared_seed):
+    """Four blocks (router + layer + residual): torch.compile(fullgraph=True) over the custom op equals eager,
+    and the whole model captured in one CUDA graph equals eager too, bitwise; an idle rank takes part."""
+    from moe_ep.testing.model import MoEModel
+
+    rank, world = dist_ctx
+    spec = moe_ep.MoESpec(2048, 768, 16 * world, 4, 256)
+    gen = torch.Generator().manual_seed(5 + rank)
+    packs = []
+    for _ in range(4):
+        packs.append(moe_ep.ExpertWeights(
+            w13=(torch.randn(16, 1536, 2048, generator=gen) / 45).to(torch.bfloat16).cuda(),
+            w2=(torch.randn(16, 2048, 768, generator=gen) / 28).to(torch.bfloat16).cuda(),
+            rank=rank, world_size=world, num_experts=spec.num_experts))
+    model = MoEModel.build(spec, packs, seed=3, device=torch.device("cuda"), backend="sm90_fp8_cutedsl",
+                           check_values=False, collective_checks=False)
+    try:
+        t = 0 if (world > 1 and rank == 1) else 200
+        x = torch.randn(t, 2048, generator=torch.Generator().manual_seed(shared_seed(rank))).to(torch.bfloat16).cuda()
+        eager = model(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=False)
+        got = compiled(x)
+        static_x = x.clone()
+        static_out = torch.empty_like(eager)
+        graph = capture_graph(lambda: static_out.copy_(model(static_x)))
+        graph.replay()
+        torch.cuda.synchronize()
+        same_compiled = torch.equal(got.view(torch.int16), eager.view(torch.int16))
+        same_graph = torch.equal(static_out.view(torch.int16), eager.view(torch.int16))
+        case_log(suite="sm90", case="model", world=world, T=t, compiled_equals_eager=same_compiled,
+                 whole_model_graph_equals_eager=same_graph)
+        assert same_compiled and same_graph
+    finally:
+        model.close()
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-x"]))
