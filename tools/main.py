@@ -50,7 +50,20 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iters", type=int, default=5, help="timed forwards per rank (median is shown)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--model-layers", type=int, default=0, metavar="N",
+                    help="GPU mode: N DeepSeek-V3 MoE blocks in one process (memory per layer, the whole model in "
+                         "one CUDA graph against one block alone; tools/bench/model_bench.py)")
     args = ap.parse_args(argv)
+    if args.model_layers:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--model-layers runs the kernel backends on a GPU; this host has none (the default mode runs on "
+                  "CPU ranks)", file=sys.stderr)
+            return 2
+        from tools.bench.model_bench import main as model_main
+
+        return model_main(["--layers", str(args.model_layers)])
 
     device, ranks = _device_and_ranks(args.device, args.ranks)
     from tools.launch.launcher import RankFailure, launch_function
