@@ -146,105 +146,178 @@ def bucket(t: int) -> int:
     return c
 
 
+def _init(port: str = "29517"):
+    """(rank, world size, device): the launcher's group when started by tools.launch (one GPU per rank), else
+    a one-rank group on GPU 0."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, init_single_rank(port)
+    local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    dev = torch.device("cuda", local)
+    torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def _slowest(us: float, world: int) -> float:
+    """The layer is as slow as its slowest rank."""
+    if world == 1:
+        return us
+    import torch.distributed as dist
+
+    t = torch.tensor([us], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _flashinfer(path: Optional[str]) -> Dict[int, dict]:
+    """FlashInfer's own moe_ep timed in the same device run (../shared/device/flashinfer_bench.py's JSON lines)."""
+    rows = {}
+    if path and os.path.exists(path):
+        for line in open(path):
+            line = line.strip()
+            if line.startswith("{"):
+                r = json.loads(line)
+                if "T" in r and r.get("graph_us"):
+                    rows[int(r["T"])] = r
+    return rows
+
+
+def _layer(moe_ep, spec, weights, dev, knobs):
+    return moe_ep.MoELayer(spec, weights, backend="sm90_fp8_cutedsl", device=dev, check_values=False,
+                           collective_checks=False, knobs=knobs)
+
+
 def run(args) -> List[dict]:
     import moe_ep
 
-    dev = init_single_rank()
+    rank, world, dev = _init()
     rates = measure_rates(dev)
-    print(f"measured: copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s, fp8 matmul "
-          f"{rates['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"measured: copy {rates['copy_bytes_per_s'] / 1e9:.0f} GB/s, fp8 matmul "
+        f"{rates['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s; world size {world}", flush=True)
+    fi = _flashinfer(args.flashinfer)
     rows = []
     for gname in args.geoms:
         g = GEOMS[gname]
         gen = torch.Generator().manual_seed(0)
         h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
-        w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(torch.bfloat16).to(dev)
-        w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).to(dev)
-        weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=0, world_size=1, num_experts=e)
-        alts = {"torch grouped bf16": GroupedTorch(w13, w2, fp8=False)}
-        try:
-            alts["torch grouped fp8"] = GroupedTorch(w13, w2, fp8=True)
-        except Exception as ex:  # noqa: BLE001 - reported, not fatal
-            print(f"torch grouped fp8 unavailable: {type(ex).__name__}: {ex}")
-        layers: Dict[int, object] = {}
+        wgen = torch.Generator().manual_seed(100 + rank)
+        w13 = (torch.randn(e, 2 * i, h, generator=wgen) / h ** 0.5).to(torch.bfloat16).to(dev)
+        w2 = (torch.randn(e, h, i, generator=wgen) / i ** 0.5).to(torch.bfloat16).to(dev)
+        weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world, num_experts=e * world)
+        alts = {}
+        if world == 1 and not args.quick:
+            alts["torch grouped bf16"] = GroupedTorch(w13, w2, fp8=False)
+            try:
+                alts["torch grouped fp8"] = GroupedTorch(w13, w2, fp8=True)
+            except Exception as ex:  # noqa: BLE001 - reported, not fatal
+                log(f"torch grouped fp8 unavailable: {type(ex).__name__}: {ex}")
         ref_layer = None
         for t in args.tokens:
             cap = bucket(t)
-            if cap not in layers:
-                t0 = time.perf_counter()
-                spec = moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
-                                      max_tokens_per_rank=cap)
-                layers[cap] = moe_ep.MoELayer(spec, weights, backend="sm90_fp8_cutedsl", device=dev,
-                                              check_values=False, collective_checks=False)
-                print(f"[{gname}] capacity {cap}: knobs {layers[cap].backend.knobs} "
-                      f"({layers[cap].backend.knob_source}), built in {time.perf_counter() - t0:.1f}s",
-                      flush=True)
-            layer = layers[cap]
+            spec = moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e * world, top_k=k,
+                                  max_tokens_per_rank=cap)
+            t0 = time.perf_counter()
+            tuned = _layer(moe_ep, spec, weights, dev, None)  # explicit > cache > shipped table > heuristic
+            heur = tuned if tuned.backend.knob_source == "heuristic" else _layer(moe_ep, spec, weights, dev, {})
+            log(f"[{gname}] T={t} capacity {cap}: knobs {tuned.backend.knobs} ({tuned.backend.knob_source}); "
+                f"heuristic {heur.backend.knobs}; built in {time.perf_counter() - t0:.1f}s", flush=True)
             x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(dev)
-            idx, w = routing(t, e, k, gen, dev)
+            idx, w = routing(t, e * world, k, gen, dev)
             out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
-            row = dict(geom=gname, hidden=h, intermediate=i, experts=e, top_k=k, T=t, capacity=cap,
-                       knobs=str(layer.backend.knobs))
-            call = lambda: layer(x, idx, w, out=out)  # noqa: E731
-            row["moe_ep_eager_us"] = cuda_time_us(call)
-            row["host_overhead_us"] = host_time_us(call)
-            layer.backend.internal_graphs = False  # every call through the CuTe executor, for comparison
-            row["moe_ep_nograph_us"] = cuda_time_us(call)
-            row["host_overhead_nograph_us"] = host_time_us(call)
-            layer.backend.internal_graphs = True
+            row = dict(geom=gname, hidden=h, intermediate=i, experts=e, top_k=k, T=t, capacity=cap, world_size=world,
+                       knobs=str(tuned.backend.knobs), knob_source=tuned.backend.knob_source,
+                       staging=getattr(tuned.backend.frontend, "staging", "torch"))
+            call = lambda: tuned(x, idx, w, out=out)  # noqa: E731
+            row["moe_ep_eager_us"] = _slowest(cuda_time_us(call), world)
+            row["host_overhead_us"] = _slowest(host_time_us(call), world)
             graph = capture_graph(call)
+            row["moe_ep_graph_us"] = _slowest(cuda_time_us(graph.replay), world)
             # The drop's kernel alone: its fused kernel + top-k reduce, read from a profiler trace of the replay.
             groups, _ = kernel_groups_us(graph.replay)
             row["kernel_us"] = groups.get(FUSED, 0.0) + groups.get(REDUCE, 0.0)
             row["staging_us"] = groups.get(STAGING, 0.0)
-            row["moe_ep_graph_us"] = cuda_time_us(graph.replay)
             del graph
+            if heur is not tuned:
+                hgraph = capture_graph(lambda: heur(x, idx, w, out=out))
+                row["heuristic_graph_us"] = _slowest(cuda_time_us(hgraph.replay), world)
+                del hgraph
+            else:
+                row["heuristic_graph_us"] = row["moe_ep_graph_us"]
+            row["tuned_vs_heuristic"] = row["moe_ep_graph_us"] / row["heuristic_graph_us"]
+            if not args.quick:
+                tuned.backend.internal_graphs = False  # every call through the CuTe executor, for comparison
+                row["moe_ep_nograph_us"] = _slowest(cuda_time_us(call), world)
+                row["host_overhead_nograph_us"] = _slowest(host_time_us(call), world)
+                tuned.backend.internal_graphs = True
             for name, alt in alts.items():
                 try:
                     row[name.replace(" ", "_") + "_us"] = cuda_time_us(lambda: alt(x, idx, w), iters=10)
                 except Exception as ex:  # noqa: BLE001
                     row[name.replace(" ", "_") + "_us"] = float("nan")
-                    print(f"{name} failed at T={t}: {type(ex).__name__}: {ex}")
-            if t <= args.ref_max_tokens:
+                    log(f"{name} failed at T={t}: {type(ex).__name__}: {ex}")
+            if alts and t <= args.ref_max_tokens:
                 if ref_layer is None:
                     rspec = moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,
                                            max_tokens_per_rank=max(args.tokens))
                     ref_layer = moe_ep.MoELayer(rspec, weights, backend="torch_reference", fmt="fp8_block",
                                                 device=dev, check_values=False, collective_checks=False)
-                try:
-                    row["torch_reference_us"] = cuda_time_us(lambda: ref_layer(x, idx, w), iters=3, warmup=1)
-                except Exception as ex:  # noqa: BLE001
-                    row["torch_reference_us"] = float("nan")
-                    print(f"torch reference failed at T={t}: {type(ex).__name__}: {ex}")
-            else:
-                row["torch_reference_us"] = float("nan")
-            row.update(floors(g, t, idx, rates))
+                row["torch_reference_us"] = cuda_time_us(lambda: ref_layer(x, idx, w), iters=3, warmup=1)
+            if gname == "dsv3" and world == 1 and t in fi:
+                row["flashinfer_graph_us"] = fi[t]["graph_us"]
+                row["flashinfer_eager_us"] = fi[t].get("eager_us", float("nan"))
+                row["moe_ep_vs_flashinfer"] = row["moe_ep_graph_us"] / fi[t]["graph_us"]
+            row.update(floors(g, t, idx.remainder(e) if world > 1 else idx, rates))
+            floor = max(row["bw_floor_us"], row["flop_floor_us"])
             row["pct_bw_floor"] = 100 * row["bw_floor_us"] / row["moe_ep_graph_us"]
             row["pct_flop_floor"] = 100 * row["flop_floor_us"] / row["moe_ep_graph_us"]
-            best_alt = min(v for kk, v in row.items() if kk.startswith("torch_grouped") and v == v)
-            row["speedup_vs_best_torch"] = best_alt / row["moe_ep_eager_us"]
-            row["graph_vs_kernel"] = row["moe_ep_graph_us"] / row["kernel_us"]
+            # A time under its physical floor measured something other than the whole work: flagged, not reported.
+            row["kernel_below_floor"] = row["kernel_us"] < floor
+            row["graph_below_floor"] = row["moe_ep_graph_us"] < floor
+            row["graph_vs_kernel"] = row["moe_ep_graph_us"] / row["kernel_us"] if row["kernel_us"] else float("nan")
+            torch_alts = [v for kk, v in row.items() if kk.startswith("torch_grouped") and v == v]
+            if torch_alts:
+                row["speedup_vs_best_torch"] = min(torch_alts) / row["moe_ep_graph_us"]
             rows.append(row)
-            print(_fmt_row(row), flush=True)
-        for lay in layers.values():
-            lay.close()
+            log(_fmt_row(row), flush=True)
+            if heur is not tuned:
+                heur.close()
+            tuned.close()
         if ref_layer is not None:
             ref_layer.close()
     for r in rows:
         r.update(copy_GBps=rates["copy_bytes_per_s"] / 1e9, fp8_TFLOPs=rates["fp8_flops_per_s"] / 1e12)
-    return rows
+    return rows if rank == 0 else []
 
 
-COLS = [("geom", "{}"), ("T", "{}"), ("capacity", "{}"), ("moe_ep_eager_us", "{:.1f}"), ("moe_ep_graph_us", "{:.1f}"),
-        ("moe_ep_nograph_us", "{:.1f}"), ("kernel_us", "{:.1f}"), ("host_overhead_us", "{:.1f}"),
-        ("host_overhead_nograph_us", "{:.1f}"), ("torch_grouped_bf16_us", "{:.1f}"),
+COLS = [("geom", "{}"), ("world_size", "{}"), ("T", "{}"), ("capacity", "{}"), ("knob_source", "{}"),
+        ("moe_ep_graph_us", "{:.1f}"), ("heuristic_graph_us", "{:.1f}"), ("tuned_vs_heuristic", "{:.3f}"),
+        ("flashinfer_graph_us", "{:.1f}"), ("moe_ep_vs_flashinfer", "{:.3f}"), ("moe_ep_eager_us", "{:.1f}"),
+        ("moe_ep_nograph_us", "{:.1f}"), ("kernel_us", "{:.1f}"), ("staging_us", "{:.1f}"),
+        ("host_overhead_us", "{:.1f}"), ("host_overhead_nograph_us", "{:.1f}"), ("torch_grouped_bf16_us", "{:.1f}"),
         ("torch_grouped_fp8_us", "{:.1f}"), ("torch_reference_us", "{:.0f}"), ("speedup_vs_best_torch", "{:.2f}x"),
         ("bw_floor_us", "{:.1f}"), ("pct_bw_floor", "{:.0f}%"), ("flop_floor_us", "{:.1f}"),
         ("pct_flop_floor", "{:.0f}%"), ("graph_vs_kernel", "{:.3f}")]
 
 
+def _fmt_cell(r: dict, c: str, f: str) -> str:
+    v = r.get(c, float("nan"))
+    if c == "kernel_us" and r.get("kernel_below_floor"):
+        return f"{v:.1f} (BELOW FLOOR: not the whole kernel)"
+    if c == "moe_ep_graph_us" and r.get("graph_below_floor"):
+        return f"{v:.1f} (BELOW FLOOR)"
+    try:
+        return f.format(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
 def _fmt_row(r: dict) -> str:
-    return " | ".join(f.format(r.get(c, float("nan"))) for c, f in COLS)
+    return " | ".join(_fmt_cell(r, c, f) for c, f in COLS)
 
 
 def write(rows: List[dict], out: str, meta: dict) -> None:
@@ -258,7 +331,12 @@ def write(rows: List[dict], out: str, meta: dict) -> None:
         f.write("# moe_ep benchmark\n\n")
         for k, v in meta.items():
             f.write(f"- {k}: {v}\n")
-        f.write("\nTimes in microseconds (CUDA events, median of 30 after 5 warm-ups; torch reference 3).\n\n")
+        f.write("\nTimes in microseconds (CUDA events, median of 30 after 5 warm-ups; torch reference 3; at world size > 1 "
+                "the slowest rank's). moe_ep_graph_us: the layer with its resolved knobs (knob_source) captured in a "
+                "CUDA graph; heuristic_graph_us: the same with the drop's heuristic knobs, in the same run; "
+                "flashinfer_graph_us: FlashInfer's own moe_ep layer on the same GPU and drop, same run. kernel_us: "
+                "the drop's fused kernel + top-k reduce from a profiler trace of the replay; a value under the "
+                "physical floor is flagged, not reported as a result.\n\n")
         f.write("| " + " | ".join(c for c, _ in COLS) + " |\n|" + "---|" * len(COLS) + "\n")
         for r in rows:
             f.write("| " + _fmt_row(r) + " |\n")
@@ -299,17 +377,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--geoms", nargs="+", default=list(GEOMS), choices=list(GEOMS))
     p.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     p.add_argument("--ref-max-tokens", type=int, default=512, help="time the torch reference up to this T")
+    p.add_argument("--flashinfer", default=None, help="JSON lines of flashinfer_bench.py from this same run")
+    p.add_argument("--quick", action="store_true", help="skip the torch alternatives and the no-graph timing")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU (sm90): none found", file=sys.stderr)
         return 2
     rows = run(args)
+    if not rows:  # ranks other than 0
+        return 0
     import cutlass
+
+    from shim.common import tree
 
     meta = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0),
             "driver/cuda": torch.version.cuda, "torch": torch.__version__, "cutlass-dsl": cutlass.__version__,
-            "drop": os.environ.get("MOE_EP_DROP_VERSION", "see third_party/cutedsl_megamoe/workspace.bzl"),
-            "python": platform.python_version(), "world_size": 1,
+            "kernel tree": tree.tree_provenance("sm90"),
+            "python": platform.python_version(), "world_size": rows[0]["world_size"],
             "copy GB/s (measured)": f"{rows[0]['copy_GBps']:.0f}", "fp8 TFLOP/s (measured)": f"{rows[0]['fp8_TFLOPs']:.0f}"}
     write(rows, args.out, meta)
     print("| " + " | ".join(c for c, _ in COLS) + " |")
