@@ -126,6 +126,10 @@ class MegaMoEFrontend:
     def activation_args(self, b: ArgBuilder, rows: int) -> Dict[str, Any]:
         raise NotImplementedError
 
+    def prepare_routing(self, t: int) -> None:
+        """Runs inside every launch (and so inside its graph) once the first t routing rows are in place; a
+        kernel that does not skip -1 slots everywhere rewrites them here."""
+
     def output_args(self, b: ArgBuilder, out: torch.Tensor) -> Dict[str, Any]:
         return dict(output_activation=b.tensor(out))
 
@@ -312,6 +316,7 @@ class MegaMoEFrontend:
         if rows > t:
             self.topk_idx[t:rows].fill_(-1)
         if t:
+            self.prepare_routing(t)
             self.stage_activations(x)
         out_rows = max(t, 1)
         direct = (out is not None and out_rows == t and self.sym_out is None and out.is_contiguous()

@@ -26,6 +26,16 @@ class Sm90Bf16Frontend(Sm90Frontend):
     def input_buffers(self):
         return [("act", (self.max_tokens_per_rank, self.hidden_size), torch.bfloat16)]
 
+    def prepare_routing(self, t: int) -> None:
+        # Measured on the H200 (drop 0.7.4): this kernel's dispatch skips a -1 slot but its top-k reduce still
+        # adds that slot's stale term (the FP8 kernel masks it). So a -1 slot is sent, with routing weight 0, to
+        # this rank's first expert: the weight is folded into the SwiGLU output before FC2, so its term is an
+        # exact zero. Spare rows past t stay -1 (dispatch skips them and the reduce does not cover them).
+        idx = self.topk_idx[:t]
+        dead = idx < 0
+        self.topk_w[:t].masked_fill_(dead, 0.0)
+        idx.masked_fill_(dead, self.rank * self.experts_per_rank)
+
     def stage_activations(self, x: torch.Tensor) -> None:
         self.act[: x.shape[0]].copy_(x)
 

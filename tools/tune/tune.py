@@ -34,6 +34,7 @@ import tempfile
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -78,11 +79,13 @@ def _weights_for(model: str, fmt: str, capacity: int):
         g = GEOMETRIES[model]
         gen = torch.Generator(device="cuda").manual_seed(1)
         h, i, e = g["hidden"], g["intermediate"], g["experts"]
-        w13 = (torch.randn(e, 2 * i, h, generator=gen, device="cuda") * h ** -0.5).to(torch.bfloat16)
-        w2 = (torch.randn(e, h, i, generator=gen, device="cuda") * i ** -0.5).to(torch.bfloat16)
+        # One worker at a time holds the bf16 weights and the quantizer's temporaries (many workers share the GPU).
         with _W["lock"]:
+            w13 = torch.randn(e, 2 * i, h, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(h ** -0.5)
+            w2 = torch.randn(e, h, i, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(i ** -0.5)
             kw = sm90_weights.prepare_weights(fmt, w13, w2, torch.device("cuda", 0))
-        del w13, w2
+            del w13, w2
+            torch.cuda.empty_cache()
         _W.update(geometry=key, kernel_weights=kw, ctx=RankContext.detached(device=torch.device("cuda", 0)))
     assert moe_ep
     return spec, _W["ctx"], _W["kernel_weights"]
@@ -229,17 +232,35 @@ def tune_world1(args) -> int:
     best = ctxm.Array("d", [0.0] * len(keys))
     started = time.perf_counter()
     done_jobs, total_jobs = 0, 0
-    workers = args.workers or max(1, min(14, (os.cpu_count() or 4) - 2))
+    workers = args.workers or max(1, min(12, (os.cpu_count() or 4) - 2))
     print(f"[tune] {len(keys)} key(s) on {device}, drop {version} ({drop_sha[:12]}), {workers} workers", flush=True)
-    with ProcessPoolExecutor(workers, mp_context=ctxm, initializer=_init_worker, initargs=(lock, best)) as pool:
+    pools = [ProcessPoolExecutor(workers, mp_context=ctxm, initializer=_init_worker, initargs=(lock, best))]
+    try:
         futures = {}
 
-        def submit(key: _Key, jobs):
+        def submit(key: _Key, jobs, count: bool = True):
             nonlocal total_jobs
             for j in jobs:
-                futures[pool.submit(run_job, j)] = key
-                key.pending += 1
-                total_jobs += 1
+                futures[pools[-1].submit(run_job, j)] = (key, j)
+                if count:
+                    key.pending += 1
+                    total_jobs += 1
+
+        def result(fut, job) -> Dict[str, Any]:
+            """A worker that died (a CUDA fault, the OOM killer) takes its job with it: that job is recorded as
+            failed, the pool is replaced and the jobs still in flight are submitted to the new one."""
+            try:
+                return fut.result()
+            except BrokenProcessPool as e:
+                if not pools[-1]._broken:  # already replaced for an earlier future of the same crash
+                    return dict(job, ok=False, error=f"worker died: {e}")
+                print(f"[tune] a worker died ({e}); restarting the pool", flush=True)
+                pools.append(ProcessPoolExecutor(workers, mp_context=ctxm, initializer=_init_worker,
+                                                 initargs=(lock, best)))
+                for other in [f for f in futures if f is not fut]:
+                    k2, j2 = futures.pop(other)
+                    submit(k2, [j2], count=False)
+                return dict(job, ok=False, error=f"worker died: {e}")
 
         def advance(key: _Key, last: Optional[Dict[str, Any]]) -> None:
             """Move a key whose jobs are all back to its next stage (several, if a stage has nothing to run)."""
@@ -272,8 +293,10 @@ def tune_world1(args) -> int:
             while futures and any(k.stage < 4 for k in group):
                 finished, _ = wait(list(futures), return_when=FIRST_COMPLETED)
                 for fut in finished:
-                    key = futures.pop(fut)
-                    r = fut.result()
+                    if fut not in futures:
+                        continue
+                    key, job = futures.pop(fut)
+                    r = result(fut, job)
                     key.pending -= 1
                     done_jobs += 1
                     key.results.append(r)
@@ -281,6 +304,9 @@ def tune_world1(args) -> int:
                     advance(key, r)
             if time.perf_counter() - started > args.budget_s:
                 break
+    finally:
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
     left = [k.label() for k in keys if k.stage < 4]
     print(f"[tune] done in {time.perf_counter() - started:.0f} s; {len(keys) - len(left)} written"
           + (f"; not finished (budget): {left} -- rerun to go on" if left else ""), flush=True)
