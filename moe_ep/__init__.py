@@ -15,23 +15,24 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 DeviceError, DTypeError, ExpertIndexError, FormatError, InputError, MoEError,
                                 NonContiguousError, OracleMismatchError, PeerValidationError, ProcessGroupError,
                                 ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
-                                KnobError, ProcessGroupEnvError, WorkspaceError)
+                                KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
 from moe_ep.core.registry import (BackendInfo, detect_arch, list_backends, register_backend, select_backend,
                                   unregister_backend)
 from moe_ep.core.spec import MoESpec
+from moe_ep.core.watchdog import WATCHDOG_EXIT_CODE, watch
 from moe_ep.core.weights import ExpertWeights
 from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights
 
 __all__ = [
     "MoESpec", "ExpertWeights", "QuantizedWeights", "QuantizedActivation", "MoELayer", "Backend", "RankContext", "init_from_env",
     "FORMATS", "BackendInfo", "list_backends", "register_backend", "unregister_backend", "select_backend",
-    "detect_arch", "capture_graph",
+    "detect_arch", "capture_graph", "watch", "WATCHDOG_EXIT_CODE",
     "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError", "NonContiguousError",
     "ExpertIndexError", "CapacityError", "SpecError", "FormatError", "CalibrationError", "WorldSizeError",
     "WeightsRankError", "ProcessGroupError", "PeerValidationError", "BackendNotFoundError",
     "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
-    "ProcessGroupEnvError", "WorkspaceError",
+    "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError",
 ]

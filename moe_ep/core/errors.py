@@ -15,7 +15,7 @@ __all__ = [
     "NonContiguousError", "ExpertIndexError", "CapacityError", "SpecError", "FormatError",
     "CalibrationError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
     "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
-    "ProcessGroupEnvError", "WorkspaceError",
+    "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError",
 ]
 
 
@@ -142,3 +142,8 @@ class TuningError(MoEError, RuntimeError):
     def __init__(self, argument: Optional[str], message: str, reasons=None):
         self.reasons = dict(reasons or {})
         super().__init__(argument, message)
+
+
+class WatchdogConfigError(MoEError, ValueError):
+    """The forward watchdog's bound is not usable: MoELayer(timeout_s=...), moe_ep.watch(timeout_s=...) or
+    $MOE_EP_TIMEOUT_S is not a finite number of seconds >= 0. ``argument`` names the argument or the variable."""

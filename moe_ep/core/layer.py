@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from moe_ep.core import op, registry
+from moe_ep.core import op, registry, watchdog
 from moe_ep.core.dist import RankContext, run_agreed
 from moe_ep.core.errors import DTypeError, FormatError
 from moe_ep.core.spec import MoESpec
@@ -25,6 +25,10 @@ class MoELayer:
     check_values: check expert ids are in range on every call (one device sync on GPU).
     collective_checks: agree on validation across ranks before the data collectives, so a bad input on one
       rank raises everywhere instead of stranding the others (one tiny all_reduce per call).
+    name: what the forward watchdog calls this layer (default "moe_ep layer #<k>", k in creation order).
+    timeout_s: the watchdog's bound on one forward (seconds; 0 turns it off; default $MOE_EP_TIMEOUT_S, else
+      10 s + 2 x the slowest call so far): a call that does not finish in time ends the process with one message
+      naming the layer, the call and the peers that stopped (exit code moe_ep.WATCHDOG_EXIT_CODE; docs/watchdog.md).
     backend_options: passed to the backend's constructor.
 
     Construction and every call are collective: all ranks of the group must take part.
@@ -32,7 +36,7 @@ class MoELayer:
 
     def __init__(self, spec: MoESpec, weights: ExpertWeights, backend: Optional[str] = None, *, group=None,
                  device=None, fmt: Optional[str] = None, check_values: bool = True, collective_checks: bool = True,
-                 **backend_options):
+                 name: Optional[str] = None, timeout_s: Optional[float] = None, **backend_options):
         if not isinstance(spec, MoESpec):
             raise DTypeError("spec", f"expected moe_ep.MoESpec, got {type(spec).__name__}")
         ctx = RankContext.from_group(group, device)
@@ -41,6 +45,7 @@ class MoELayer:
         self.check_values = check_values
         self.collective_checks = collective_checks
         self._backend = None
+        self._watch = None
         self.handle = op.register_layer(self)
 
         def resolve():
@@ -59,11 +64,13 @@ class MoELayer:
             validate_spec_for_backend(spec, cls, f, ctx.world_size)
             return entry, cls, f
 
-        entry, cls, f = run_agreed(ctx, resolve, "layer arguments")
+        (entry, cls, f), bound = run_agreed(ctx, lambda: (resolve(), watchdog.parse_timeout(timeout_s)),
+                                            "layer arguments")
         self.backend_name = entry.name
         self.fmt = f
         self._backend = cls(spec, ctx, fmt=f, **backend_options)
         self._backend.prepare_weights(weights)
+        self.name, self._watch = watchdog.watch_layer(name, bound, ctx.group, ctx.device)
 
     # -- properties ----------------------------------------------------------------------------------------
     @property
@@ -111,7 +118,22 @@ class MoELayer:
 
     def forward_eager(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The forward itself (validation, then the backend); what the custom op runs."""
+        """The forward itself (validation, then the backend); what the custom op runs. Watched: a call that does
+        not finish within the layer's bound ends the process (moe_ep.core.watchdog)."""
+        w = self._watch
+        if w is None:
+            return self._forward_unwatched(hidden, topk_idx, topk_weights, out)
+        slot = w.begin()
+        try:
+            out = self._forward_unwatched(hidden, topk_idx, topk_weights, out)
+        except BaseException:
+            w.abandon(slot)
+            raise
+        w.end(slot)
+        return out
+
+    def _forward_unwatched(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
         backend = self.backend
 
         def check():
@@ -130,6 +152,9 @@ class MoELayer:
 
     def close(self) -> None:
         op.unregister_layer(self.handle)
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._backend is not None:
             try:
                 self._backend.close()
