@@ -398,7 +398,10 @@ class _Monitor:
                 self.watches.remove(w)
 
     def make_room(self, g: int) -> bool:
-        """RING calls in flight: confirm finished ones now (rare: the monitor runs every POLL_S)."""
+        """RING calls in flight: confirm finished ones now (rare: the monitor runs every POLL_S). Not while this
+        thread captures a graph: an event query would invalidate the capture (the call is then not watched)."""
+        if _cuda.ready and _cuda.capturing():
+            return False
         self.confirm(_monotonic())
         return g - RING <= self.done_upto
 
