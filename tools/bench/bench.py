@@ -9,6 +9,8 @@ For each geometry and token count per rank T it measures, side by side on the sa
   moe_ep nograph     the same with the internal graphs off: every call goes through the CuTe executor
   moe_ep graph       the same forward captured in a CUDA graph and replayed
   host overhead      CPU time of one eager forward call (launch-queue not full), microseconds (both modes)
+  watchdog           the same host time with the forward watchdog on (the default) and off, in alternating
+                     rounds, and the median of their per-round differences: the watchdog's hot-path cost
   kernel             the drop's fused kernel + its top-k reduce alone: device time from a profiler trace of
                      the graph replay (what moe_ep adds, staging and copies, is the rest)
   torch reference    moe_ep's torch_reference backend, same FP8 format (the oracle; not built for speed)
@@ -37,7 +39,8 @@ from typing import Dict, List, Optional
 import torch
 
 from moe_ep.core.graphs import capture_graph
-from tools.bench.timing import FUSED, REDUCE, STAGING, cuda_time_us, host_time_us, kernel_groups_us
+from tools.bench.timing import (FUSED, REDUCE, STAGING, cuda_time_us, host_time_us, kernel_groups_us,
+                                paired_host_time_us)
 
 GEOMS = {
     "dsv3": dict(hidden=7168, intermediate=2048, experts=32, top_k=8),
@@ -235,6 +238,19 @@ def run(args) -> List[dict]:
             call = lambda: tuned(x, idx, w, out=out)  # noqa: E731
             row["moe_ep_eager_us"] = _slowest(cuda_time_us(call), world)
             row["host_overhead_us"] = _slowest(host_time_us(call), world)
+            # The forward watchdog's hot-path cost: the same call with the layer's watch on (the default) and off.
+            watched = tuned._watch
+
+            def watch_on(layer=tuned, watched=watched):
+                layer._watch = watched
+
+            def watch_off(layer=tuned):
+                layer._watch = None
+
+            on_us, off_us, diff_us = paired_host_time_us(call, watch_on, watch_off)
+            row["host_watchdog_on_us"] = _slowest(on_us, world)
+            row["host_watchdog_off_us"] = _slowest(off_us, world)
+            row["watchdog_host_us"] = _slowest(diff_us, world)
             graph = capture_graph(call)
             row["moe_ep_graph_us"] = _slowest(cuda_time_us(graph.replay), world)
             # The drop's kernel alone: its fused kernel + top-k reduce, read from a profiler trace of the replay.
@@ -298,7 +314,8 @@ COLS = [("geom", "{}"), ("world_size", "{}"), ("T", "{}"), ("capacity", "{}"), (
         ("moe_ep_graph_us", "{:.1f}"), ("heuristic_graph_us", "{:.1f}"), ("tuned_vs_heuristic", "{:.3f}"),
         ("flashinfer_graph_us", "{:.1f}"), ("moe_ep_vs_flashinfer", "{:.3f}"), ("moe_ep_eager_us", "{:.1f}"),
         ("moe_ep_nograph_us", "{:.1f}"), ("kernel_us", "{:.1f}"), ("staging_us", "{:.1f}"),
-        ("host_overhead_us", "{:.1f}"), ("host_overhead_nograph_us", "{:.1f}"), ("torch_grouped_bf16_us", "{:.1f}"),
+        ("host_overhead_us", "{:.1f}"), ("host_overhead_nograph_us", "{:.1f}"), ("host_watchdog_on_us", "{:.2f}"),
+        ("host_watchdog_off_us", "{:.2f}"), ("watchdog_host_us", "{:+.2f}"), ("torch_grouped_bf16_us", "{:.1f}"),
         ("torch_grouped_fp8_us", "{:.1f}"), ("torch_reference_us", "{:.0f}"), ("speedup_vs_best_torch", "{:.2f}x"),
         ("bw_floor_us", "{:.1f}"), ("pct_bw_floor", "{:.0f}%"), ("flop_floor_us", "{:.1f}"),
         ("pct_flop_floor", "{:.0f}%"), ("graph_vs_kernel", "{:.3f}")]

@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["cuda_time_us", "host_time_us", "kernel_groups_us", "classify", "FUSED", "REDUCE", "STAGING"]
+__all__ = ["cuda_time_us", "host_time_us", "paired_host_time_us", "kernel_groups_us", "classify", "FUSED", "REDUCE",
+           "STAGING"]
 
 
 def cuda_time_us(fn: Callable[[], None], iters: int = 30, warmup: int = 5) -> float:
@@ -38,6 +39,24 @@ def host_time_us(fn: Callable[[], None], iters: int = 20) -> float:
         cpu.append((time.perf_counter() - c0) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(cpu)
+
+
+def paired_host_time_us(fn: Callable[[], None], on: Callable[[], None], off: Callable[[], None], rounds: int = 15,
+                        iters: int = 20):
+    """Host time of fn with a feature on and off, measured in alternating rounds (on/off, off/on, ...) so that drift
+    of the host (clocks, other processes) falls on both alike. Returns (median on, median off, median of the
+    per-round differences on - off), microseconds."""
+    ons, offs, diffs = [], [], []
+    for r in range(rounds):
+        pair = {}
+        for state in ((True, False) if r % 2 == 0 else (False, True)):
+            (on if state else off)()
+            pair[state] = host_time_us(fn, iters)
+        on()
+        ons.append(pair[True])
+        offs.append(pair[False])
+        diffs.append(pair[True] - pair[False])
+    return statistics.median(ons), statistics.median(offs), statistics.median(diffs)
 
 
 FUSED, REDUCE, STAGING = "MegaMoE fused kernel (drop)", "top-k reduce (drop)", "moe_ep staging (torch ops)"
