@@ -294,8 +294,9 @@ def watch(name: str, *, group=None, device=None, timeout_s=None):
             graph.replay()
 
     device: where the watched work runs (default: the current CUDA device if there is one, else the CPU);
-    group: whose heartbeats to read when it trips (default: the default group). Returns a no-op context
-    manager when the watchdog is off (timeout_s=0 or MOE_EP_TIMEOUT_S=0)."""
+    group: whose heartbeats to read when it trips (default: the default group). Make it once and reuse it (each
+    watch() is a new watch with a name of its own; close() one that is done). Returns a no-op context manager
+    when the watchdog is off (timeout_s=0 or MOE_EP_TIMEOUT_S=0)."""
     if not isinstance(name, str) or not name:
         raise WatchdogConfigError("name", f"expected a non-empty string, got {name!r}")
     bound = parse_timeout(timeout_s, where="moe_ep.watch(timeout_s=...)")
