@@ -72,6 +72,7 @@ class KernelBackend(Backend):
         """The shipped table's knobs for this layer on this GPU and this (verified) drop, or None."""
         from shim.common import knob_table, tree
 
+        tree.activate(self.arch)  # verifies the tree: a table is keyed by the drop it was measured on
         provenance = tree.tree_provenance(self.arch) or {}
         drop = provenance.get("carrier_sha256") if provenance.get("verified") and not provenance.get("unpinned") \
             else None

@@ -189,6 +189,12 @@ def _flashinfer(path: Optional[str]) -> Dict[int, dict]:
     return rows
 
 
+def heuristic_knobs(fmt: str, capacity: int):
+    from shim.sm90.knobs import heuristic_knobs as heuristic
+
+    return heuristic(fmt, capacity)
+
+
 def _layer(moe_ep, spec, weights, dev, knobs):
     return moe_ep.MoELayer(spec, weights, backend="sm90_fp8_cutedsl", device=dev, check_values=False,
                            collective_checks=False, knobs=knobs)
@@ -226,7 +232,8 @@ def run(args) -> List[dict]:
                                   max_tokens_per_rank=cap)
             t0 = time.perf_counter()
             tuned = _layer(moe_ep, spec, weights, dev, None)  # explicit > cache > shipped table > heuristic
-            heur = tuned if tuned.backend.knob_source == "heuristic" else _layer(moe_ep, spec, weights, dev, {})
+            same = tuned.backend.knobs == heuristic_knobs("fp8_block", cap)
+            heur = tuned if same else _layer(moe_ep, spec, weights, dev, {})
             log(f"[{gname}] T={t} capacity {cap}: knobs {tuned.backend.knobs} ({tuned.backend.knob_source}); "
                 f"heuristic {heur.backend.knobs}; built in {time.perf_counter() - t0:.1f}s", flush=True)
             x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(dev)
