@@ -473,9 +473,15 @@ class _Monitor:
     # the threads ---------------------------------------------------------------------------------------------
     def _monitor_loop(self) -> None:
         _relax_capture_mode()
+        device_set = False
         while not self.stop.is_set():
             now = _monotonic()
             try:
+                if self.events and not device_set:
+                    # This thread's event queries on the watched GPU's context, not on a context of GPU 0 that
+                    # a fresh thread's first CUDA call would otherwise create (memory on another rank's GPU).
+                    torch.cuda.set_device(min(self.events))
+                    device_set = True
                 self.confirm(now)
                 self.check_deadlines(_monotonic())
             except Exception as e:  # noqa: BLE001 - the watchdog must never take the process down by itself
@@ -611,6 +617,16 @@ def _monitor() -> _Monitor:
             if _M is None:
                 _M = _Monitor()
     return _M
+
+
+def _forget_after_fork() -> None:
+    """A forked child has none of the parent's threads: its first watch starts a monitor of its own."""
+    global _M
+    _M = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _warn(text: str) -> None:
