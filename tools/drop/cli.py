@@ -41,6 +41,7 @@ from tools.drop.inventory import Inventory, inventory_of_tree, is_compiled, load
 from tools.drop.manifests import manifest_path
 from tools.drop.pins import PinError, read_pins, read_pins_file, read_strip_prefix, rewrite_pins, workspace_bzl
 from tools.drop.report import render_markdown, render_terminal
+from tools.drop.tables import render_stale, stale_entries
 from tools.drop.shim_scan import lazy_tables
 from tools.drop.source_model import DropIndex
 from tools.drop.transaction import Transaction
@@ -207,8 +208,18 @@ def cmd_audit(args, repo: Path) -> int:
         contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.name))
         result = run_audit(repo, tree, root, old_inv, new_inv, old_label, new_label, contract, location)
         _emit(result, _report_path(repo, tree, old_label, new_label, args.report), _command_line())
+        _tables(repo, tree, args.sha256 if args.version else None, new_label)
         code = _combine(code, result.exit_code())
     return code
+
+
+def _tables(repo: Path, tree: Tree, sha: Optional[str], label: str) -> None:
+    """Shipped knob tables measured on another drop than the audited one (they are no longer used)."""
+    if sha is None:
+        pins = read_pins_file(repo, tree)
+        sha = pins[1] if pins else None
+    if sha:
+        print(render_stale(stale_entries(repo, tree.name, sha), tree.name, label), end="")
 
 
 def _combine(a: int, b: int) -> int:
@@ -308,6 +319,7 @@ def cmd_bump(args, repo: Path) -> int:
         _log(f"{state}: {path.relative_to(repo) if path.is_relative_to(repo) else path}")
     if location.moved:
         _log(f"pinned the move: {tree.pin_prefix}_STRIP_PREFIX = {location.strip_prefix}")
+    _tables(repo, tree, new_sha, args.version)
     return result.exit_code()
 
 
