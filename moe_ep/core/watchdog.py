@@ -11,9 +11,10 @@ caller wraps in `moe_ep.watch(name)` (a caller-captured CUDA graph's replay: moe
 
 How, per call (hot path; no allocation of device memory, no store round trip, no host sync):
   begin()  one slot of a process-wide ring: (watch, call number, host start time), state "on the host"
-  end()    CUDA: record a pre-allocated event on the current stream (a host-side enqueue), state "on the device";
-           while the current stream is capturing a graph the call is not watched on the device (the caller's
-           graph replay is the caller's to watch); CPU: the call is finished when forward returned.
+  end()    CUDA: one driver call, cuEventRecord of a pre-created event on the current stream (a host-side enqueue),
+           state "on the device" (see _Cuda); CPU: the call is finished when forward returned. A call made while
+           the stream is being captured into a caller's graph is counted finished: that graph's replays are the
+           caller's to watch.
 One monitor thread per process (daemon, started with the first watch) polls every POLL_S: it confirms finished
 calls (event queries, newest first, a binary search when the device lags) and compares the oldest unfinished
 call's age with its bound. A heartbeat thread publishes this process's progress (per watch: calls started,
@@ -33,6 +34,7 @@ the host's start to the device's finish, to within POLL_S), and at least FIRST_C
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import json
 import math
@@ -67,6 +69,7 @@ POLL_S = 0.2          # monitor period: the resolution of every timing here
 HEARTBEAT_S = 0.5     # store heartbeat period
 STORE_TIMEOUT_S = 2.0  # one store operation of the watchdog, at most
 RING = 4096           # calls in flight the monitor can follow (more than the device's launch queue holds)
+_MASK = RING - 1
 _PREFIX = "moe_ep/watchdog/"
 
 # slot states
@@ -130,7 +133,7 @@ class Watch:
     numbered whether or not they could be watched (nested in another watched call, or 4096 calls in flight)."""
 
     __slots__ = ("name", "bound", "ranks", "group_rank", "started", "returned", "slowest", "_m", "_dev", "_evs",
-                 "_slot", "closed", "__weakref__")
+                 "_raw", "_rec", "_slot", "closed", "__weakref__")
 
     def __init__(self, name: str, bound: Bound, ranks: Sequence[int], group_rank: int, device=None,
                  monitor: Optional["_Monitor"] = None):
@@ -145,18 +148,17 @@ class Watch:
         self.closed = False
         device = torch.device(device) if device is not None else torch.device("cpu")
         self._m = monitor if monitor is not None else _monitor()
+        self._dev = self._evs = self._raw = self._rec = None
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self._dev = index
             self._evs = self._m.cuda_events(index)
-        else:
-            self._dev = None
-            self._evs = None
+            self._raw, self._rec = _cuda.raw_stream, _cuda.record  # bound once: the hot path looks up nothing
+            self._dev = index
         self._m.add(self)
 
     # hot path ----------------------------------------------------------------------------------------------
     def begin(self) -> int:
-        """A call starts: its slot, or -1 when it cannot be watched (it is counted all the same)."""
+        """A call starts: its sequence number, or -1 when it cannot be watched (it is counted all the same)."""
         m = self._m
         n = self.started + 1
         self.started = n
@@ -165,7 +167,7 @@ class Watch:
         g = m.next_g
         if g - RING > m.done_upto and not m.make_room(g):
             return -1
-        i = g & (RING - 1)
+        i = g & _MASK
         m.owner[i] = self
         m.call[i] = n
         m.state[i] = _HOST
@@ -173,42 +175,39 @@ class Watch:
         m.gen[i] = g
         m.next_g = g + 1
         m.depth = 1
-        return i
+        return g
 
-    def end(self, i: int) -> None:
-        """The call returned on the host; on CUDA its device work is followed through an event."""
-        if i < 0:
-            self.returned = self.started
+    def end(self, g: int) -> None:
+        """The call returned on the host. On CUDA its device work is followed through one event recorded on the
+        current stream (one driver call, no sync); on CPU it is over."""
+        self.returned = self.started
+        if g < 0:
             return
         m = self._m
-        dev = self._dev
-        if dev is None:
+        i = g & _MASK
+        if self._dev is None:
             d = _monotonic() - m.t0[i]
             if d > self.slowest:
                 self.slowest = d
             m.state[i] = _FREE
-        elif _cuda.capturing():
-            m.state[i] = _FREE  # recorded into a caller's graph: its replays are the caller's to watch
         else:
-            raw = _cuda.raw_stream(dev)
-            stream = m.streams.get(raw)
-            if stream is None:
-                stream = m.stream_for(dev, raw)
+            raw = self._raw(self._dev)
             ev = self._evs[i]
-            _cuda.record(ev, stream)
-            m.ev[i] = ev
-            if raw != m.last_stream:
-                m.last_stream = raw
-                m.stream_since = m.gen[i]
-            m.last_device_g = m.gen[i]
-            m.state[i] = _DEVICE
-        self.returned = m.call[i]
+            if self._rec(ev, raw):  # not recorded (an error): not followed on the device
+                m.state[i] = _FREE
+            else:
+                m.ev[i] = ev
+                if raw != m.last_stream:
+                    m.last_stream = raw
+                    m.stream_since = g
+                m.last_device_g = g
+                m.state[i] = _DEVICE
         m.depth = 0
 
-    def abandon(self, i: int) -> None:
+    def abandon(self, g: int) -> None:
         """The call raised: it is over on the host, and nothing of it is followed on the device."""
-        if i >= 0:
-            self._m.state[i] = _FREE
+        if g >= 0:
+            self._m.state[g & _MASK] = _FREE
             self._m.depth = 0
         self.returned = self.started
 
@@ -309,16 +308,114 @@ def watch(name: str, *, group=None, device=None, timeout_s=None):
 
 
 # -- CUDA entry points, bound on first use (a CPU-only torch has none) ---------------------------------------
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+_EVENT_DISABLE_TIMING = 2
+
+
 class _Cuda:
+    """The CUDA calls of the hot path and of the monitor.
+
+    kind "driver" (preferred): the driver through ctypes, pre-created events, ONE call per watched call
+    (cuEventRecord(event, the current stream's raw handle from torch)). torch's Event.record costs several runtime
+    calls (a capture check, a device guard, the record, with the GIL released around them); with a capture check of
+    our own it measured ~5.5 us a call on the H200 host (benchmarks/h200/round2_0.7.4/bench_tuned). kind "torch": the
+    same through torch's events, where the driver library cannot be loaded.
+
+    No capture check: recording a plain event on a capturing stream is legal (it marks a point for cross-stream
+    dependencies and adds no node to the graph). Queried later, such an event reports an error instead of a state,
+    and query() counts any error as finished: a caller's graph replays are the caller's to watch.
+    record(event, raw stream) -> 0 when recorded; query(event) -> True when finished (or not followable)."""
+
     def __init__(self):
         self.ready = False
+        self.kind = None
+        self.query = lambda ev: True  # nothing recorded before bind()
 
-    def bind(self):
-        if not self.ready:
-            self.capturing = torch._C._cuda_isCurrentStreamCapturing
-            self.raw_stream = torch._C._cuda_getCurrentRawStream
-            self.record = torch._C._CudaEventBase.record  # torch.cuda.Event.record would look the stream up
-            self.ready = True
+    def bind(self, kind: Optional[str] = None) -> None:
+        if self.ready:
+            return
+        self.capturing = torch._C._cuda_isCurrentStreamCapturing
+        self.raw_stream = torch._C._cuda_getCurrentRawStream
+        kind = kind or os.environ.get("MOE_EP_WATCHDOG_EVENTS", "driver")
+        if kind == "driver":
+            try:
+                self._bind_driver()
+            except (OSError, AttributeError):
+                kind = "torch"
+        if kind != "driver":
+            self._bind_torch()
+        self.kind = kind
+        self.ready = True
+
+    def _bind_driver(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")  # CDLL releases the GIL during each call: a record that blocks on a
+        c_int, c_void_p, ptr = ctypes.c_int, ctypes.c_void_p, ctypes.POINTER  # full launch queue stalls nothing else
+
+        def fn(name, *argtypes):
+            f = getattr(lib, name)
+            f.argtypes, f.restype = list(argtypes), c_int
+            return f
+
+        self._lib = lib
+        self._create = fn("cuEventCreate", ptr(c_void_p), ctypes.c_uint)
+        self._device_get = fn("cuDeviceGet", ptr(c_int), c_int)
+        self._ctx_retain = fn("cuDevicePrimaryCtxRetain", ptr(c_void_p), c_int)
+        self._ctx_release = fn("cuDevicePrimaryCtxRelease_v2", c_int)
+        self._ctx_push = fn("cuCtxPushCurrent_v2", c_void_p)
+        self._ctx_pop = fn("cuCtxPopCurrent_v2", ptr(c_void_p))
+        self.record = fn("cuEventRecord", c_void_p, c_void_p)
+        q = fn("cuEventQuery", c_void_p)
+        self.query = lambda ev: q(ev) != _NOT_READY
+        self.new_events = self._driver_events
+
+    def _driver_events(self, dev: int, n: int) -> list:
+        """n events in the device's primary context (the one torch uses), timing off."""
+        c_void_p = ctypes.c_void_p
+        device, ctx, popped = ctypes.c_int(), c_void_p(), c_void_p()
+        for rc in (self._device_get(ctypes.byref(device), dev), self._ctx_retain(ctypes.byref(ctx), device.value)):
+            if rc:
+                raise RuntimeError(f"moe_ep watchdog: CUDA driver error {rc} getting device {dev}'s context")
+        self._ctx_push(ctx)
+        try:
+            out = []
+            for _ in range(n):
+                h = c_void_p()
+                rc = self._create(ctypes.byref(h), _EVENT_DISABLE_TIMING)
+                if rc:
+                    raise RuntimeError(f"moe_ep watchdog: cuEventCreate failed with CUDA driver error {rc}")
+                out.append(h.value)
+            return out
+        finally:
+            self._ctx_pop(ctypes.byref(popped))
+            self._ctx_release(device.value)
+
+    def _bind_torch(self) -> None:
+        base_record = torch._C._CudaEventBase.record
+        streams: Dict[int, object] = {}
+
+        def record(ev, raw) -> int:
+            s = streams.get(raw)
+            if s is None:
+                if len(streams) > 64:
+                    streams.clear()
+                s = streams[raw] = torch.cuda.current_stream()
+            try:
+                base_record(ev, s)
+                return 0
+            except Exception:  # noqa: BLE001 - not recorded: the call is not followed on the device
+                return 1
+
+        def query(ev) -> bool:
+            try:
+                return ev.query()
+            except Exception:  # noqa: BLE001 - e.g. recorded in a capture: not followable, counted finished
+                return True
+
+        def new_events(dev: int, n: int) -> list:
+            with torch.cuda.device(dev):
+                return [torch.cuda.Event() for _ in range(n)]
+
+        self.record, self.query, self.new_events = record, query, new_events
 
 
 _cuda = _Cuda()
@@ -342,7 +439,6 @@ class _Monitor:
         self.last_stream = None
         self.stream_since = 0    # first sequence number recorded on last_stream
         self.last_device_g = -1
-        self.streams: Dict[int, object] = {}
         self.events: Dict[int, list] = {}
         self.watches: List[Watch] = []
         self.lock = threading.Lock()
@@ -359,18 +455,21 @@ class _Monitor:
 
     # called by the main thread -------------------------------------------------------------------------------
     def cuda_events(self, dev: int) -> list:
+        """The ring's events on device dev, created once (RING of them: creation stays off the hot path)."""
         _cuda.bind()
         evs = self.events.get(dev)
         if evs is None:
-            with torch.cuda.device(dev):
-                evs = self.events[dev] = [torch.cuda.Event() for _ in range(RING)]
+            try:
+                evs = _cuda.new_events(dev, RING)
+            except RuntimeError as e:
+                if _cuda.kind != "driver" or self.events:
+                    raise
+                _warn(f"{e}; following calls through torch's events instead")
+                _cuda.ready = False
+                _cuda.bind("torch")
+                evs = _cuda.new_events(dev, RING)
+            self.events[dev] = evs
         return evs
-
-    def stream_for(self, dev: int, raw: int):
-        if len(self.streams) > 64:
-            self.streams.clear()
-        s = self.streams[raw] = torch.cuda.current_stream(dev)
-        return s
 
     def add(self, w: Watch) -> None:
         with self.lock:
@@ -424,19 +523,21 @@ class _Monitor:
                 return
             stop = last + 1  # first unfinished sequence number
             ldg = self.last_device_g
-            if ldg >= g0 and not (self.stream_since <= g0 and self.ev[ldg & mask].query()):
+            query = _cuda.query
+            if ldg >= g0 and not (self.stream_since <= g0 and query(self.ev[ldg & mask])):
+                # the device lags (or two streams): find the first unfinished call
                 devs = [g for g in range(g0, last + 1) if state[g & mask] == _DEVICE and gen[g & mask] == g]
                 if self.stream_since <= g0:  # one stream: finished-ness is monotonic in order
                     lo, hi = 0, len(devs)
                     while lo < hi:
                         mid = (lo + hi) // 2
-                        if self.ev[devs[mid] & mask].query():
+                        if query(self.ev[devs[mid] & mask]):
                             lo = mid + 1
                         else:
                             hi = mid
                 else:
                     lo = 0
-                    while lo < len(devs) and self.ev[devs[lo] & mask].query():
+                    while lo < len(devs) and query(self.ev[devs[lo] & mask]):
                         lo += 1
                 if lo < len(devs):
                     stop = devs[lo]
@@ -474,18 +575,28 @@ class _Monitor:
     def _monitor_loop(self) -> None:
         _relax_capture_mode()
         device_set = False
+        reported = set()
+
+        def report(where, e):  # once per kind of error: the watchdog must never flood a log
+            key = (where, type(e).__name__, str(e)[:80])
+            if key not in reported:
+                reported.add(key)
+                _warn(f"{where} error {type(e).__name__}: {e}")
+
         while not self.stop.is_set():
-            now = _monotonic()
             try:
                 if self.events and not device_set:
                     # This thread's event queries on the watched GPU's context, not on a context of GPU 0 that
                     # a fresh thread's first CUDA call would otherwise create (memory on another rank's GPU).
                     torch.cuda.set_device(min(self.events))
                     device_set = True
-                self.confirm(now)
-                self.check_deadlines(_monotonic())
+                self.confirm(_monotonic())
             except Exception as e:  # noqa: BLE001 - the watchdog must never take the process down by itself
-                _warn(f"monitor error {type(e).__name__}: {e}")
+                report("monitor (confirming calls)", e)
+            try:  # deadlines are checked whatever confirming did: a failing query must not silence the watchdog
+                self.check_deadlines(_monotonic())
+            except Exception as e:  # noqa: BLE001
+                report("monitor (deadlines)", e)
             self.last_poll = _monotonic()
             self.stop.wait(POLL_S)
 

@@ -55,12 +55,12 @@ def test_default_bound_adapts_to_the_slowest_call_and_spares_first_calls():
 class FakeEvent:
     def __init__(self):
         self.done = True
-
-    def query(self):
-        return self.done
+        self.captured = False
+        self.queries = 0
 
 
 class FakeCuda:
+    """The driver as the watchdog sees it: record(event, raw stream) -> 0, query(event) -> finished."""
     ready = True
 
     def __init__(self):
@@ -74,9 +74,14 @@ class FakeCuda:
     def raw_stream(self, dev):
         return self.stream
 
-    def record(self, ev, stream):
-        ev.done = False
+    def record(self, ev, raw):
+        ev.done, ev.captured = False, self.capture
         self.recorded.append(ev)
+        return 0
+
+    def query(self, ev):
+        ev.queries += 1
+        return ev.done or ev.captured  # an event recorded in a capture answers with an error: counted finished
 
 
 @pytest.fixture
@@ -84,12 +89,11 @@ def fake_cuda(monkeypatch):
     fake = FakeCuda()
     monkeypatch.setattr(wd, "_cuda", fake)
     m = wd._Monitor(threads=False)
-    m.streams[1] = m.streams[2] = object()
     evs = [FakeEvent() for _ in range(wd.RING)]
 
     def make(name, bound=5.0):
         w = wd.Watch(name, wd.Bound(bound, "test"), [0, 1], 0, "cpu", monitor=m)
-        w._dev, w._evs = 0, evs  # as a CUDA watch would be, with the fake events
+        w._dev, w._evs, w._raw, w._rec = 0, evs, fake.raw_stream, fake.record  # a CUDA watch, fake events
         return w
 
     return fake, m, make
@@ -162,11 +166,8 @@ def test_many_calls_in_flight_use_a_binary_search_and_two_streams_a_walk(fake_cu
         _call(w)
     for ev in fake.recorded[:613]:
         ev.done = True
-    queries = []
-    for ev in fake.recorded:
-        ev.query = (lambda e=ev: queries.append(1) or e.done)
     m.confirm(time.monotonic())
-    assert m.done_upto == 612 and len(queries) < 20
+    assert m.done_upto == 612 and sum(ev.queries for ev in fake.recorded) < 20
     fake.stream = 2  # a call on another stream: order across streams is not known
     _call(w)
     fake.recorded[-1].done = True
@@ -181,10 +182,11 @@ def test_many_calls_in_flight_use_a_binary_search_and_two_streams_a_walk(fake_cu
 def test_captured_calls_nested_calls_and_a_full_ring(fake_cuda):
     fake, m, make = fake_cuda
     outer, inner = make("decode graph"), make("layer")
-    fake.capture = True  # a forward recorded into the caller's graph: not followed on the device
+    fake.capture = True  # a forward recorded into the caller's graph: its event answers with an error
     _call(inner)
     fake.capture = False
-    assert fake.recorded == []
+    m.confirm(time.monotonic())
+    assert m.done_upto == 0  # counted finished (the caller's replays are the caller's to watch)
     i = outer.begin()
     assert _call(inner) == -1  # nested in a watched call: counted, not watched
     outer.end(i)
@@ -193,7 +195,7 @@ def test_captured_calls_nested_calls_and_a_full_ring(fake_cuda):
     # cannot be watched (the outer call, unfinished, is never overwritten)
     for _ in range(wd.RING - 1):
         _call(inner)
-    assert m.next_g == wd.RING + 1 and m.done_upto == 0
+    assert m.next_g == wd.RING + 1 and m.done_upto == 0  # the outer call (1) has not finished
     assert _call(inner) == -1 and m.next_g == wd.RING + 1 and inner.started == wd.RING + 2
     assert m.oldest_unfinished()[0][:2] == (outer, 1)
     for ev in fake.recorded:
