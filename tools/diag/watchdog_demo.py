@@ -16,6 +16,9 @@ repository root:
   stall   rank 1 sleeps bound + 10 s inside call 100 (it trips itself too: its own call passes the bound)
   (and, with --scenario only: stall_before, rank 1 sleeps before call 100, outside the layer)
 
+On CUDA one warm-up call runs first under a 60 s bound (a first call may capture a graph or compile), so the
+messages name the layer's call k + 1 for the loop's call k (--warmup).
+
 Each surviving rank must end within bound + 5 s of the fault, with exit code moe_ep.WATCHDOG_EXIT_CODE and the
 watchdog's message on stderr. The wrapper writes DIR/watchdog_demo.json (every rank: exit code, seconds from
 the fault to its exit, the message), DIR/watchdog_demo.md (a table) and DIR/<scenario>.rank<r>.log. Each
@@ -70,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="default: sm90_fp8_cutedsl on cuda, t_spin_reference on cpu")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default: the capacity)")
     p.add_argument("--collective-checks", action="store_true", help="layer with check_values/collective_checks on")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="calls before the loop, under a 60 s bound (default 1 on cuda, 0 on cpu): a first call may "
+                        "capture a graph or compile; the loop's call k is then the layer's call k + warmup")
     p.add_argument("--scenario-timeout", type=float, default=None,
                    help="with --all: wall-clock limit per scenario launch (default 180 s cuda, 60 s cpu)")
     return p
@@ -119,9 +125,23 @@ def rank_main(args) -> int:
     watch = layer._watch
     print(f"rank {rank}/{world}: {layer.backend_name} on {ctx.device} built in {build_s:.1f}s; watchdog bound "
           f"{watch.bound if watch else 'off'}", flush=True)
-    faults.inject(layer, fault, record_dir=str(out_dir))
     hidden, idx, w = (x.to(ctx.device) for x in problem.inputs(rank))
     out = torch.empty((hidden.shape[0], spec.hidden_size), dtype=torch.bfloat16, device=ctx.device)
+    warmup = args.warmup if args.warmup is not None else (1 if device == "cuda" else 0)
+    if warmup:
+        from moe_ep.core.watchdog import Bound
+
+        bound = watch.bound if watch else None
+        if watch:
+            watch.bound = Bound(max(60.0, bound.seconds or 0.0), "the demo's warm-up")
+        for _ in range(warmup):
+            layer(hidden, idx, w, out=out)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if watch:
+            watch.bound = bound
+        print(f"rank {rank}: {warmup} warm-up call(s) done; loop call k is the layer's call k + {warmup}", flush=True)
+    faults.inject(layer, fault, record_dir=str(out_dir))  # counts the loop's calls from 1
     n = _calls(args)
     t_loop = time.time()
     for call in range(1, n + 1):
@@ -138,7 +158,7 @@ def rank_main(args) -> int:
         # From here on the others wait for this rank in a call it never makes (skip).
         faults.write_record(str(out_dir), rank, loop_end_t=time.time())
     record = {"rank": rank, "world": world, "scenario": args.scenario, "backend": layer.backend_name,
-              "device": str(ctx.device), "calls": n, "loop_s": loop_s, "build_s": build_s,
+              "device": str(ctx.device), "calls": n, "warmup": warmup, "loop_s": loop_s, "build_s": build_s,
               "watched_calls": watch.started if watch else 0, "finite": bool(torch.isfinite(out.float()).all())}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
     # Wait for every rank through the store; a rank that died (the store's host included) ends the wait.
@@ -176,7 +196,7 @@ def launch_scenario(args, scenario: str, device: str, out: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--scenario", scenario, "--out", str(sdir),
            "--fault-call", str(args.fault_call), "--fault-rank", str(args.fault_rank)]
     for flag, value in (("--calls", args.calls), ("--stall-s", args.stall_s), ("--backend", args.backend),
-                        ("--tokens", args.tokens)):
+                        ("--tokens", args.tokens), ("--warmup", args.warmup)):
         if value is not None:
             cmd += [flag, str(value)]
     if args.collective_checks:
