@@ -15,7 +15,8 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 DeviceError, DTypeError, ExpertIndexError, FormatError, InputError, MoEError,
                                 NonContiguousError, OracleMismatchError, PeerValidationError, ProcessGroupError,
                                 ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
-                                KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError)
+                                KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError,
+                                LayerClosedError, RegistrationError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
@@ -34,5 +35,5 @@ __all__ = [
     "ExpertIndexError", "CapacityError", "SpecError", "FormatError", "CalibrationError", "WorldSizeError",
     "WeightsRankError", "ProcessGroupError", "PeerValidationError", "BackendNotFoundError",
     "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
-    "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError",
+    "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
 ]

@@ -15,7 +15,7 @@ __all__ = [
     "NonContiguousError", "ExpertIndexError", "CapacityError", "SpecError", "FormatError",
     "CalibrationError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
     "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
-    "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError",
+    "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
 ]
 
 
@@ -147,3 +147,11 @@ class TuningError(MoEError, RuntimeError):
 class WatchdogConfigError(MoEError, ValueError):
     """The forward watchdog's bound is not usable: MoELayer(timeout_s=...), moe_ep.watch(timeout_s=...) or
     $MOE_EP_TIMEOUT_S is not a finite number of seconds >= 0. ``argument`` names the argument or the variable."""
+
+
+class LayerClosedError(MoEError, RuntimeError):
+    """The layer was closed (close(), or its with-block ended): its workspace share and graphs are gone."""
+
+
+class RegistrationError(MoEError, ValueError):
+    """register_backend() was given a name, target or format list it cannot register."""

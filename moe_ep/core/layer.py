@@ -8,7 +8,7 @@ import torch
 
 from moe_ep.core import op, registry, watchdog
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import DTypeError, FormatError
+from moe_ep.core.errors import DTypeError, FormatError, LayerClosedError
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.validate import validate_forward, validate_spec_for_backend, validate_weights
 from moe_ep.core.weights import ExpertWeights
@@ -76,7 +76,7 @@ class MoELayer:
     @property
     def backend(self):
         if self._backend is None:
-            raise RuntimeError("the layer is closed")
+            raise LayerClosedError(None, f"this layer ({self.spec}) was closed; build a new MoELayer")
         return self._backend
 
     @property
@@ -134,18 +134,14 @@ class MoELayer:
 
     def _forward_unwatched(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        backend = self.backend
-
-        def check():
-            return validate_forward(self.spec, self.ctx, hidden, topk_idx, topk_weights, out, self.check_values)
-
         if self.collective_checks:
-            t = run_agreed(self.ctx, check, "forward() inputs")
+            t = run_agreed(self.ctx, lambda: validate_forward(self.spec, self.ctx, hidden, topk_idx, topk_weights,
+                                                              out, self.check_values), "forward() inputs")
         else:
-            t = check()
+            t = validate_forward(self.spec, self.ctx, hidden, topk_idx, topk_weights, out, self.check_values)
         if out is None:
             out = torch.empty((t, self.spec.hidden_size), dtype=torch.bfloat16, device=self.ctx.device)
-        return backend.forward(hidden, topk_idx, topk_weights, out)
+        return self.backend.forward(hidden, topk_idx, topk_weights, out)
 
     def oracle_weights(self) -> QuantizedWeights:
         return self.backend.oracle_weights()

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
-from moe_ep.core.errors import BackendNotFoundError, BackendUnavailableError, FormatError
+from moe_ep.core.errors import BackendNotFoundError, BackendUnavailableError, FormatError, RegistrationError
 from moe_ep.formats import check_format
 
 __all__ = ["BackendEntry", "BackendInfo", "register_backend", "unregister_backend", "get_entry", "resolve_backend",
@@ -45,16 +46,16 @@ _REGISTRY: Dict[str, BackendEntry] = {}
 def register_backend(name: str, target, *, arch: str, formats, description: str = "",
                      replace: bool = False) -> BackendEntry:
     if not isinstance(name, str) or not name:
-        raise ValueError(f"backend name must be a non-empty string, got {name!r}")
+        raise RegistrationError("name", f"expected a non-empty string, got {name!r}")
     if isinstance(target, str) and ":" not in target:
-        raise ValueError(f"backend target must be 'module:attr', got {target!r}")
+        raise RegistrationError("target", f"expected 'module:attr' (a lazy string) or a class, got {target!r}")
     formats = tuple(formats)
     if not formats:
-        raise ValueError("a backend must serve at least one format")
+        raise RegistrationError("formats", "expected at least one format")
     for f in formats:
         check_format(f, "formats")
     if name in _REGISTRY and not replace:
-        raise ValueError(f"backend {name!r} is already registered (pass replace=True to override)")
+        raise RegistrationError("name", f"backend {name!r} is already registered (pass replace=True to override)")
     entry = BackendEntry(name, target, arch, formats, description)
     _REGISTRY[name] = entry
     return entry
@@ -72,8 +73,27 @@ def get_entry(name: str) -> BackendEntry:
 
 
 def _module_present(module: str) -> bool:
+    """Whether `module` can be found, importing nothing (importlib.util.find_spec would import its parent
+    packages, and a kernel backend's parents are shim packages)."""
+    import importlib.machinery
+
+    if module in sys.modules:
+        return True
+    path = None
     try:
-        return importlib.util.find_spec(module) is not None
+        for depth, part in enumerate(module.split(".")):
+            name = ".".join(module.split(".")[:depth + 1])
+            loaded = sys.modules.get(name)
+            if loaded is not None:
+                spec = getattr(loaded, "__spec__", None)
+            elif path is None:
+                spec = importlib.util.find_spec(name)  # a top-level name: nothing above it to import
+            else:
+                spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None:
+                return False
+            path = spec.submodule_search_locations or []
+        return True
     except (ImportError, ValueError, AttributeError):
         return False
 

@@ -15,6 +15,7 @@ from moe_ep.core.weights import ExpertWeights
 __all__ = ["validate_weights", "validate_spec_for_backend", "validate_forward"]
 
 _IDX_DTYPES = (torch.int64, torch.int32)
+_BF16, _F32 = torch.bfloat16, torch.float32
 
 
 def _tensor(name: str, t) -> torch.Tensor:
@@ -69,7 +70,36 @@ def validate_spec_for_backend(spec: MoESpec, backend_cls, fmt: str, world_size: 
 def validate_forward(spec: MoESpec, ctx: RankContext, hidden, topk_idx, topk_weights, out=None,
                      check_values: bool = True) -> int:
     """Returns T. Checks type, device, dtype, shape, contiguity, top_k, capacity, then expert-id range:
-    ids in [0, num_experts), or -1 for "no expert" (padding, a masked slot; it contributes nothing)."""
+    ids in [0, num_experts), or -1 for "no expert" (padding, a masked slot; it contributes nothing).
+
+    Every forward runs this on the host before the kernel, so well-formed inputs take one short-circuit
+    expression (~1 us on a CPU where the step-by-step checks take ~3); anything it does not accept goes through
+    the step-by-step checks, which name the argument and what was expected."""
+    dev = ctx.device
+    try:
+        hs = hidden.shape
+        t = hs[0]
+        ok = (len(hs) == 2 and hs[1] == spec.hidden_size and t <= spec.max_tokens_per_rank
+              and hidden.dtype is _BF16 and topk_weights.dtype is _F32 and topk_idx.dtype in _IDX_DTYPES
+              and topk_idx.shape == (t, spec.top_k) and topk_weights.shape == (t, spec.top_k)
+              and hidden.device == dev and topk_idx.device == dev and topk_weights.device == dev
+              and hidden.is_contiguous() and topk_idx.is_contiguous() and topk_weights.is_contiguous()
+              and (out is None or (out.shape == hs and out.dtype is _BF16 and out.device == dev
+                                   and out.is_contiguous()))
+              and isinstance(hidden, torch.Tensor) and isinstance(topk_idx, torch.Tensor)
+              and isinstance(topk_weights, torch.Tensor) and (out is None or isinstance(out, torch.Tensor)))
+    except (AttributeError, IndexError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        return validate_forward_stepwise(spec, ctx, hidden, topk_idx, topk_weights, out, check_values)
+    if check_values and t > 0:
+        _check_expert_ids(spec, topk_idx)
+    return t
+
+
+def validate_forward_stepwise(spec: MoESpec, ctx: RankContext, hidden, topk_idx, topk_weights, out=None,
+                              check_values: bool = True) -> int:
+    """validate_forward one check at a time: the first that fails raises, naming the argument."""
     hidden = _tensor("hidden", hidden)
     topk_idx = _tensor("topk_idx", topk_idx)
     topk_weights = _tensor("topk_weights", topk_weights)
@@ -108,11 +138,15 @@ def validate_forward(spec: MoESpec, ctx: RankContext, hidden, topk_idx, topk_wei
         if not out.is_contiguous():
             raise NonContiguousError("out", f"expected a contiguous tensor, got strides {list(out.stride())}")
     if check_values and t > 0:
-        lo = int(topk_idx.min())
-        hi = int(topk_idx.max())
-        if lo < -1:
-            raise ExpertIndexError("topk_idx", f"expert ids must be >= -1 (-1: no expert for that slot), got {lo}")
-        if hi >= spec.num_experts:
-            raise ExpertIndexError("topk_idx", f"expert ids must be < num_experts={spec.num_experts}, got {hi}")
+        _check_expert_ids(spec, topk_idx)
     return t
+
+
+def _check_expert_ids(spec: MoESpec, topk_idx: torch.Tensor) -> None:
+    lo = int(topk_idx.min())
+    hi = int(topk_idx.max())
+    if lo < -1:
+        raise ExpertIndexError("topk_idx", f"expert ids must be >= -1 (-1: no expert for that slot), got {lo}")
+    if hi >= spec.num_experts:
+        raise ExpertIndexError("topk_idx", f"expert ids must be < num_experts={spec.num_experts}, got {hi}")
 

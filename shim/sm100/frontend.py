@@ -20,6 +20,8 @@ from typing import Any, Dict
 
 import torch
 
+from moe_ep.core.errors import BackendUnavailableError
+
 from shim.common.cute_args import ArgBuilder
 from shim.common.frontend import MegaMoEFrontend
 from shim.sm100 import weights as sm100_weights
@@ -41,16 +43,18 @@ class Sm100Frontend(MegaMoEFrontend):
             arch = os.environ.get("CUTE_DSL_ARCH", "")
             on_blackwell = not arch and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
             if not (arch.startswith(("sm_100", "sm_103")) or on_blackwell):
-                raise RuntimeError("a compile-only sm100 build targets sm_100a: set CUTE_DSL_ARCH=sm_100a in the "
-                                   f"environment before cutlass is imported (it is {arch or 'unset'})")
+                raise BackendUnavailableError("CUTE_DSL_ARCH", "a compile-only sm100 build targets sm_100a: set "
+                                              "CUTE_DSL_ARCH=sm_100a in the environment before cutlass is imported "
+                                              f"(it is {arch or 'unset'})")
         else:
             if not torch.cuda.is_available():
-                raise RuntimeError("the sm100 MegaMoE kernels need a Blackwell (sm_100) GPU; this host has no "
-                                   "CUDA device (use compile_only=True with CUTE_DSL_ARCH=sm_100a to only compile)")
+                raise BackendUnavailableError("device", "the sm100 MegaMoE kernels need a Blackwell (sm_100) GPU; "
+                                              "this host has no CUDA device (use compile_only=True with "
+                                              "CUTE_DSL_ARCH=sm_100a to only compile)")
             major, minor = torch.cuda.get_device_capability(ctx.device)
             if major != 10:
-                raise RuntimeError(f"the sm100 MegaMoE kernels need a Blackwell (sm_100) GPU; {ctx.device} is "
-                                   f"sm_{major}{minor}")
+                raise BackendUnavailableError("device", f"the sm100 MegaMoE kernels need a Blackwell (sm_100) GPU; "
+                                              f"{ctx.device} is sm_{major}{minor}")
         super().__init__(spec, ctx, knobs, compile_only=compile_only, **kw)
 
     # -- shared hooks --------------------------------------------------------------------------------------

@@ -174,6 +174,50 @@ def test_bad_forward_input(layer, kind, err, argument, expected):
     assert layer(*_inputs()).shape == (5, H)
 
 
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except moe_ep.MoEError as e:
+        return type(e), e.argument
+
+
+@pytest.mark.parametrize("kind", [c[0] for c in CASES] + ["good", "int32", "empty", "at_capacity", "with_out",
+                                                         "out_device", "out_not_tensor", "weights_device"])
+def test_one_expression_check_agrees_with_the_stepwise_checks(layer, kind):
+    """validate_forward's fast path (one expression for well-formed inputs) accepts exactly what the stepwise
+    checks accept, with the same T, and hands everything else to them."""
+    from moe_ep.core.validate import validate_forward, validate_forward_stepwise
+
+    if kind in {c[0] for c in CASES}:
+        x, idx, w, out = _bad(kind)
+    else:
+        x, idx, w = _inputs(C if kind == "at_capacity" else 5)
+        out = None
+        if kind == "int32":
+            idx = idx.to(torch.int32)
+        elif kind == "empty":
+            x, idx, w = x[:0], idx[:0], w[:0]
+        elif kind == "with_out":
+            out = torch.empty(5, H, dtype=torch.bfloat16)
+        elif kind == "out_device":
+            out = torch.empty(5, H, dtype=torch.bfloat16, device="meta")
+        elif kind == "out_not_tensor":
+            out = [[0.0] * H] * 5
+        elif kind == "weights_device":
+            w = w.to("meta")
+    args = (layer.spec, layer.ctx, x, idx, w, out, True)
+    fast, stepwise = _outcome(validate_forward, *args), _outcome(validate_forward_stepwise, *args)
+    assert fast == stepwise
+    assert isinstance(fast, int) == (kind in ("good", "int32", "empty", "at_capacity", "with_out"))
+
+
+def test_a_closed_layer_is_a_typed_error(group):
+    lay = moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, K, C), _weights())
+    lay.close()
+    with pytest.raises(moe_ep.LayerClosedError, match="closed"):
+        lay(*_inputs())
+
+
 @pytest.mark.parametrize("make, err, argument", [
     (lambda: (moe_ep.MoESpec(H, I, E, K, C), _weights(rank=1, world_size=2, w13=_weights().w13[2:],
                                                       w2=_weights().w2[2:])), moe_ep.WeightsRankError, "weights"),

@@ -72,10 +72,15 @@ def test_register_rejects_bad_entries(scratch_names):
     with pytest.raises(moe_ep.FormatError) as e:
         registry.register_backend("t_bad", "a.b:C", arch="cpu", formats=("fp6",))
     assert e.value.argument == "formats"
-    with pytest.raises(ValueError, match="module:attr"):
+    with pytest.raises(moe_ep.RegistrationError, match="module:attr") as e:
         registry.register_backend("t_bad", "a.b.C", arch="cpu", formats=("bf16",))
-    with pytest.raises(ValueError, match="already registered"):
+    assert e.value.argument == "target" and isinstance(e.value, ValueError)
+    with pytest.raises(moe_ep.RegistrationError, match="already registered") as e:
         registry.register_backend("torch_reference", "a.b:C", arch="cpu", formats=("bf16",))
+    assert e.value.argument == "name"
+    with pytest.raises(moe_ep.RegistrationError) as e:
+        registry.register_backend("t_bad", "a.b:C", arch="cpu", formats=())
+    assert e.value.argument == "formats"
 
 
 def test_select_backend_by_arch_and_format(scratch_names):

@@ -69,8 +69,10 @@ _SKIP_DIRS = {"__pycache__", "node_modules"}
 COMPUTED_IMPORT_ALLOWED: Dict[Tuple[str, str], str] = {
     ("moe_ep/core/registry.py", "importlib.import_module(module)"):
         "the backend registry resolves registered 'module:attr' targets (kernel-target rule on every literal)",
-    ("moe_ep/core/registry.py", "importlib.util.find_spec(module)"):
-        "the backend registry asks whether a registered target's module is installed, importing nothing of it",
+    ("moe_ep/core/registry.py", "importlib.util.find_spec(name)"):
+        "the backend registry asks whether a registered target's top-level package is installed",
+    ("moe_ep/core/registry.py", "importlib.machinery.PathFinder.find_spec(name, path)"):
+        "the backend registry finds a registered target's submodules on their parents' paths, importing nothing",
     ("tools/launch/worker.py", "importlib.import_module(mod_name)"):
         "the launcher's rank worker loads its 'module:attr' target (kernel-target rule on every literal)",
     ("tools/launch/worker.py",

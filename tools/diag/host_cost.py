@@ -1,0 +1,118 @@
+"""Where the host time of one eager forward goes, piece by piece, on a GPU host (#16: host overhead <= 15 us).
+
+    python3 -m tools.diag.host_cost [--tokens 1 8 128] [--out DIR]        (one GPU; ~1 min with a cold compile cache)
+
+For DeepSeek-V3 FP8 (sm90_fp8_cutedsl, capacity = the benchmark's bucket of T, knobs resolved as the benchmark's),
+each T: the whole call as the benchmark times it (back to back, the GPU busy), the whole call with the GPU idle
+before each call (synchronised, so nothing can wait on the device), and its pieces: the layer's validation, the
+watchdog's begin + end, the backend's forward (no validation, no watch), the internal graph's replay alone, and
+torch's capture check. Medians of blocks; prints a table, writes host_cost.json with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+
+def _blocks_us(fn: Callable[[], None], n: int, blocks: int, sync: Callable[[], None], idle: bool) -> float:
+    """Median over blocks of the host time per call; idle=True synchronises before every call and times only
+    the call."""
+    per = []
+    for _ in range(blocks):
+        sync()
+        if idle:
+            total = 0.0
+            for _ in range(n):
+                sync()
+                t = time.perf_counter()
+                fn()
+                total += time.perf_counter() - t
+            per.append(total / n * 1e6)
+        else:
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            per.append((time.perf_counter() - t) / n * 1e6)
+    sync()
+    return statistics.median(per)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128])
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import moe_ep
+    from moe_ep.core.validate import validate_forward
+    from tools.bench.bench import GEOMS, bucket, init_single_rank, routing
+
+    dev = init_single_rank("29531")
+    sync = torch.cuda.synchronize
+    g = GEOMS["dsv3"]
+    h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
+    wgen = torch.Generator().manual_seed(100)
+    w13 = (torch.randn(e, 2 * i, h, generator=wgen) / h ** 0.5).to(torch.bfloat16).to(dev)
+    w2 = (torch.randn(e, h, i, generator=wgen) / i ** 0.5).to(torch.bfloat16).to(dev)
+    weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=0, world_size=1, num_experts=e)
+    rows: List[Dict[str, object]] = []
+    layers = {}
+    for t in args.tokens:
+        cap = bucket(t)
+        if cap not in layers:
+            spec = moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k, max_tokens_per_rank=cap)
+            layers[cap] = moe_ep.MoELayer(spec, weights, backend="sm90_fp8_cutedsl", device=dev, check_values=False,
+                                          collective_checks=False)
+        layer = layers[cap]
+        gen = torch.Generator().manual_seed(t)
+        x = torch.randn(t, h, generator=gen).to(torch.bfloat16).to(dev)
+        idx, w = routing(t, e, k, gen, dev)
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+        call = lambda: layer(x, idx, w, out=out)  # noqa: E731
+        for _ in range(3):  # seen, captured, replayed: the steady state
+            call()
+        sync()
+        fe = layer.backend.frontend
+        graph = next(gr for key, gr in fe._graphs.items() if isinstance(key, tuple))
+        watch = layer._watch
+        row: Dict[str, object] = dict(T=t, capacity=cap, knobs=str(layer.backend.knobs))
+        n, blocks = 50, 9
+        row["call_busy_us"] = _blocks_us(call, n, blocks, sync, idle=False)
+        row["call_idle_us"] = _blocks_us(call, n, blocks, sync, idle=True)
+        row["validate_us"] = _blocks_us(lambda: validate_forward(layer.spec, layer.ctx, x, idx, w, out, False),
+                                        n, blocks, sync, idle=False)
+        if watch is not None:
+            row["watch_begin_end_us"] = _blocks_us(lambda: watch.end(watch.begin()), n, blocks, sync, idle=False)
+        row["backend_forward_us"] = _blocks_us(lambda: layer.backend.forward(x, idx, w, out), n, blocks, sync,
+                                               idle=True)
+        row["graph_replay_busy_us"] = _blocks_us(graph.replay, n, blocks, sync, idle=False)
+        row["graph_replay_idle_us"] = _blocks_us(graph.replay, n, blocks, sync, idle=True)
+        row["capture_check_us"] = _blocks_us(torch.cuda.is_current_stream_capturing, n, blocks, sync, idle=False)
+        rows.append(row)
+        print({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}, flush=True)
+    cols = [c for c in rows[0] if c not in ("knobs",)]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c)) for c in cols) + " |")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "host_cost.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(dev),
+                                                                      rows=rows), indent=1))
+    for layer in layers.values():
+        layer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
