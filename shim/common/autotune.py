@@ -58,6 +58,18 @@ def _progress(done: int, total: int, started: float, label: str, out) -> None:
     out.flush()
 
 
+def _comm_device(group):
+    """Where the group's collectives run: CPU when it has gloo (alone or as "cpu:gloo,cuda:nccl"), else this
+    rank's GPU (an NCCL-only group, e.g. moe_ep.init_from_env with MOE_EP_DEVICE=cuda, has no CPU backend)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "nccl" not in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def collective_autotune(candidates: Sequence[Any], time_candidate: Callable[[Any], Sequence[float]], *,
                         group=None, progress: bool = True, out=None) -> AutotuneResult:
     """`time_candidate(c)` builds candidate c and returns its timings in microseconds (any number of reps).
@@ -72,8 +84,9 @@ def collective_autotune(candidates: Sequence[Any], time_candidate: Callable[[Any
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
     out = out or sys.stderr
+    dev = _comm_device(group) if distributed else None
     if distributed:
-        mine = torch.tensor([_digest(candidates), len(candidates)], dtype=torch.int64)
+        mine = torch.tensor([_digest(candidates), len(candidates)], dtype=torch.int64, device=dev)
         lo, hi = mine.clone(), mine.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
@@ -94,10 +107,10 @@ def collective_autotune(candidates: Sequence[Any], time_candidate: Callable[[Any
             errors.append(f"{type(e).__name__}: {e}")
         if progress and rank == 0:
             _progress(i + 1, len(candidates), started, f"{medians[-1]:.1f} us", out)
-    scores = torch.tensor(medians, dtype=torch.float64)
+    scores = torch.tensor(medians, dtype=torch.float64, device=dev)
     if distributed:
         dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=group)
-    score_list = scores.tolist()
+    score_list = scores.cpu().tolist()
     best = min(range(len(score_list)), key=lambda j: (score_list[j], j))
     if not math.isfinite(score_list[best]):
         raise NoViableCandidateError(

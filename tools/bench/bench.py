@@ -131,15 +131,35 @@ def _rowwise_e4m3(x: torch.Tensor):
     return (x.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn), s.float()
 
 
-def floors(geom: dict, t: int, idx: torch.Tensor, rates: Dict[str, float]) -> Dict[str, float]:
-    h, i, k = geom["hidden"], geom["intermediate"], geom["top_k"]
-    active = int(torch.unique(idx).numel()) if t else 0
-    weight_bytes = active * (3 * i * h + (2 * i // 128) * (h // 128) * 4 + (h // 128) * (i // 128) * 4)
+def floors(geom: dict, t: int, idx: torch.Tensor, rates: Dict[str, float], world: int = 1) -> Dict[str, float]:
+    """The physical floors of one call. At world size W every rank's [T, K] routing is gathered: rank r reads the
+    weights of its local experts that any rank's token routes to and computes every slot routed to them, so
+    each rank has a floor of its own, and the layer (as slow as its slowest rank) cannot beat the largest."""
+    h, i = geom["hidden"], geom["intermediate"]
+    if world > 1:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(idx) for _ in range(world)]
+        dist.all_gather(parts, idx.contiguous())
+        every = torch.cat(parts).flatten()
+    else:
+        every = idx.flatten()
+    e_local = geom["experts"]
+    per_expert = 3 * i * h + (2 * i // 128) * (h // 128) * 4 + (h // 128) * (i // 128) * 4
     act_bytes = 2 * t * h * 2
-    flops = 2 * t * k * 3 * i * h
-    return {"active_experts": active, "bytes": weight_bytes + act_bytes, "flops": flops,
-            "bw_floor_us": (weight_bytes + act_bytes) / rates["copy_bytes_per_s"] * 1e6,
-            "flop_floor_us": flops / rates["fp8_flops_per_s"] * 1e6}
+    worst = None
+    for r in range(world):
+        mine = every[(every >= r * e_local) & (every < (r + 1) * e_local)]
+        active = int(torch.unique(mine).numel())
+        nbytes = active * per_expert + act_bytes
+        flops = 2 * int(mine.numel()) * 3 * i * h
+        f = {"active_experts": active, "bytes": nbytes, "flops": flops,
+             "bw_floor_us": nbytes / rates["copy_bytes_per_s"] * 1e6,
+             "flop_floor_us": flops / rates["fp8_flops_per_s"] * 1e6}
+        if worst is None or max(f["bw_floor_us"], f["flop_floor_us"]) > max(worst["bw_floor_us"],
+                                                                           worst["flop_floor_us"]):
+            worst = f
+    return worst
 
 
 def bucket(t: int) -> int:
@@ -294,7 +314,7 @@ def run(args) -> List[dict]:
                 row["flashinfer_graph_us"] = fi[t]["graph_us"]
                 row["flashinfer_eager_us"] = fi[t].get("eager_us", float("nan"))
                 row["moe_ep_vs_flashinfer"] = row["moe_ep_graph_us"] / fi[t]["graph_us"]
-            row.update(floors(g, t, idx.remainder(e) if world > 1 else idx, rates))
+            row.update(floors(g, t, idx, rates, world))
             floor = max(row["bw_floor_us"], row["flop_floor_us"])
             row["pct_bw_floor"] = 100 * row["bw_floor_us"] / row["moe_ep_graph_us"]
             row["pct_flop_floor"] = 100 * row["flop_floor_us"] / row["moe_ep_graph_us"]

@@ -418,9 +418,24 @@ def tune_collective(args) -> int:
             scores = dict(zip([c.to_json().__repr__() for c in cands], res.scores_us))
             heur_us = res.scores_us[0]
             tuned_us = res.scores_us[res.winner_index]
+            measured = winner
+            if tuned_us > KEEP_HEURISTIC * heur_us:  # within noise: the drop's own choice stays (as at W=1)
+                winner, tuned_us = heur, heur_us
+            oracle = None
+            if winner != heur:  # the winner at this world size, every rank against the oracle, fresh inputs
+                try:
+                    oracle = _check_collective_winner(moe_ep, spec, weights, args.fmt, winner, ctx)
+                except Exception as e:  # noqa: BLE001 - an unchecked winner is not shipped
+                    oracle = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                if not oracle["ok"]:
+                    print(f"[tune W={w}] {model}/C{cap}: winner failed the oracle ({oracle}); keeping the heuristic",
+                          flush=True)
+                    winner, tuned_us = heur, heur_us
             if ctx.rank == 0:
                 table = _load_table(table_path)
                 table["entries"][tk] = {"knobs": winner.to_json(), "meta": {
+                    "measured_winner": measured.to_json(), "kept_heuristic": winner == heur and measured != heur,
+                    "oracle": oracle,
                     "tuned_us": round(tuned_us, 1), "heuristic_us": round(heur_us, 1), "device": device,
                     "drop": version, "drop_sha256": drop_sha, "world_size": w,
                     "date": datetime.date.today().isoformat(), "candidates": len(cands),
@@ -429,6 +444,29 @@ def tune_collective(args) -> int:
                 print(f"[tune W={w}] {model}/{args.fmt}/C{cap}: {winner} {tuned_us:.0f} us (heuristic {heur_us:.0f})",
                       flush=True)
     return 0
+
+
+def _check_collective_winner(moe_ep, spec, weights, fmt: str, knobs, ctx) -> Dict[str, Any]:
+    """A layer with the winning knobs on every rank, a fresh random routing, a NaN-poisoned output, checked
+    against the torch oracle over every rank's tokens (moe_ep.reference.oracle.check_multirank)."""
+    import torch
+
+    from moe_ep.reference.oracle import OUTPUT_TOLERANCE, check_multirank
+
+    backend = {"fp8_block": "sm90_fp8_cutedsl", "bf16": "sm90_bf16_cutedsl"}[fmt]
+    gen = torch.Generator().manual_seed(int(time.time()) % 100000 + ctx.rank)
+    t = spec.max_tokens_per_rank
+    x = torch.randn(t, spec.hidden_size, generator=gen).to(torch.bfloat16).to(ctx.device)
+    idx = torch.rand(t, spec.num_experts, generator=gen).argsort(dim=1)[:, :spec.top_k].to(ctx.device)
+    w = torch.softmax(torch.randn(t, spec.top_k, generator=gen), dim=-1).to(ctx.device)
+    out = torch.full((t, spec.hidden_size), float("nan"), dtype=torch.bfloat16, device=ctx.device)
+    tol = max(OUTPUT_TOLERANCE[fmt], 0.75 / spec.intermediate_size ** 0.5) if fmt == "fp8_block" else None
+    with moe_ep.MoELayer(spec, weights, backend=backend, fmt=fmt, device=ctx.device, knobs=knobs) as layer:
+        layer(x, idx, w, out=out)
+        torch.cuda.synchronize(ctx.device)
+        report = check_multirank(layer, x, idx, w, out, weights=weights, tol=tol, raise_on_failure=False)
+    mine = report.mine(ctx.rank)
+    return {"ok": bool(report.ok), "rel_l2": mine.rel_l2_err, "max_row_rel": mine.max_row_rel_err}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
