@@ -46,6 +46,7 @@ class MoELayer:
         self.collective_checks = collective_checks
         self._backend = None
         self._watch = None
+        self._watch_paused = False
         self.handle = op.register_layer(self)
 
         def resolve():
@@ -99,6 +100,28 @@ class MoELayer:
     def experts_per_rank(self) -> int:
         return self.spec.num_experts // self.ctx.world_size
 
+    @property
+    def watch(self):
+        """This layer's forward watchdog (moe_ep.core.watchdog.Watch: its name, bound and call count), or None
+        when it was built with timeout_s=0 (or MOE_EP_TIMEOUT_S=0) or is closed."""
+        return self._watch
+
+    @property
+    def watched(self) -> bool:
+        """Whether forwards are watched now. Set False to leave them unwatched for a while (a profiler session,
+        the benchmark's on/off comparison) and True to watch them again; the layer's Watch stays registered, so
+        its call numbers go on. A layer built with the watchdog off cannot be turned on (WatchdogConfigError)."""
+        return self._watch is not None and not self._watch_paused
+
+    @watched.setter
+    def watched(self, on: bool) -> None:
+        if on and self._watch is None:
+            from moe_ep.core.errors import WatchdogConfigError
+
+            raise WatchdogConfigError("watched", "this layer was built with its watchdog off (timeout_s=0 or "
+                                                 "MOE_EP_TIMEOUT_S=0); build it with a bound to watch it")
+        self._watch_paused = not on
+
     # -- forward -------------------------------------------------------------------------------------------
     def __call__(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -121,7 +144,7 @@ class MoELayer:
         """The forward itself (validation, then the backend); what the custom op runs. Watched: a call that does
         not finish within the layer's bound ends the process (moe_ep.core.watchdog)."""
         w = self._watch
-        if w is None:
+        if w is None or self._watch_paused:
             return self._forward_unwatched(hidden, topk_idx, topk_weights, out)
         slot = w.begin()
         try:

@@ -310,11 +310,20 @@ def test_layer_names_bounds_and_counts(group, monkeypatch):
         assert (b._watch.started, b._watch.returned) == (5, 5)
         assert wd._monitor().depth == 0
         assert wd._monitor().progress()["experts.7"][:2] == [5, 5]
+        b.watched = False  # paused: calls are not watched (nor counted), the Watch stays
+        b(x, idx, w)
+        assert not b.watched and b.watch is not None and b._watch.started == 5
+        b.watched = True
+        b(x, idx, w)
+        assert b.watched and b._watch.started == 6
     assert a._watch is None and "experts.7" not in wd._monitor().progress()
     monkeypatch.setenv("MOE_EP_TIMEOUT_S", "0")
     with moe_ep.MoELayer(spec, _weights(), name="off") as off:
-        assert off._watch is None and off.name == "off"
+        assert off._watch is None and off.name == "off" and not off.watched
         off(*_inputs())
+        with pytest.raises(moe_ep.WatchdogConfigError) as e:
+            off.watched = True
+        assert e.value.argument == "watched"
 
 
 def test_layer_refuses_a_bad_bound(group, monkeypatch):

@@ -266,13 +266,11 @@ def run(args) -> List[dict]:
             row["moe_ep_eager_us"] = _slowest(cuda_time_us(call), world)
             row["host_overhead_us"] = _slowest(host_time_us(call), world)
             # The forward watchdog's hot-path cost: the same call with the layer's watch on (the default) and off.
-            watched = tuned._watch
-
-            def watch_on(layer=tuned, watched=watched):
-                layer._watch = watched
+            def watch_on(layer=tuned):
+                layer.watched = True
 
             def watch_off(layer=tuned):
-                layer._watch = None
+                layer.watched = False
 
             on_us, off_us, diff_us = paired_host_time_us(call, watch_on, watch_off)
             row["host_watchdog_on_us"] = _slowest(on_us, world)

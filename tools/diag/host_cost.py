@@ -84,7 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sync()
         fe = layer.backend.frontend
         graph = next(gr for key, gr in fe._graphs.items() if isinstance(key, tuple))
-        watch = layer._watch
+        watch = layer.watch
         row: Dict[str, object] = dict(T=t, capacity=cap, knobs=str(layer.backend.knobs))
         n, blocks = 50, 9
         row["call_busy_us"] = _blocks_us(call, n, blocks, sync, idle=False)
