@@ -9,7 +9,7 @@ import torch
 from moe_ep.core import op, registry, watchdog
 from moe_ep.core.dist import RankContext, run_agreed
 from moe_ep.core.errors import DTypeError, FormatError, LayerClosedError
-from moe_ep.core.spec import MoESpec
+from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.core.validate import validate_forward, validate_spec_for_backend, validate_weights
 from moe_ep.core.weights import ExpertWeights
 from moe_ep.formats import QuantizedWeights, check_format
@@ -17,7 +17,7 @@ from moe_ep.formats import QuantizedWeights, check_format
 __all__ = ["MoELayer"]
 
 
-class MoELayer:
+class MoELayer(LayerGeometry):
     """An expert-parallel MoE layer over a process group.
 
     backend: None / "auto" picks by the device's arch (and fmt, if given); or a registered name.
@@ -81,24 +81,8 @@ class MoELayer:
         return self._backend
 
     @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
-
-    @property
     def device(self) -> torch.device:
         return self.ctx.device
-
-    @property
-    def capacity(self) -> int:
-        return self.spec.max_tokens_per_rank
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.spec.num_experts // self.ctx.world_size
 
     @property
     def watch(self):

@@ -8,7 +8,7 @@ from typing import Optional
 
 from moe_ep.core.errors import SpecError
 
-__all__ = ["MoESpec"]
+__all__ = ["MoESpec", "LayerGeometry"]
 
 
 def _positive_int(name: str, value) -> int:
@@ -50,3 +50,41 @@ class MoESpec:
         if self.num_experts % world_size:
             raise WorldSizeError("world_size", f"{world_size} does not divide num_experts={self.num_experts}")
         return self.num_experts // world_size
+
+
+class LayerGeometry:
+    """The geometry a layer and the objects serving it (backends, frontends) read, for any class that holds
+    `spec` (MoESpec) and `ctx` (moe_ep.core.dist.RankContext): one value each, named as MoESpec names it
+    (`capacity` is max_tokens_per_rank), so no layer below renames or re-derives them."""
+
+    __slots__ = ()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.spec.intermediate_size
+
+    @property
+    def top_k(self) -> int:
+        return self.spec.top_k
+
+    @property
+    def max_tokens_per_rank(self) -> int:
+        return self.spec.max_tokens_per_rank
+
+    capacity = max_tokens_per_rank
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.spec.num_experts // self.ctx.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from moe_ep.core.dist import RankContext
-from moe_ep.core.spec import MoESpec
+from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.formats import QuantizedActivation
 from shim.common import compile_cache
 from shim.common.cute_args import ArgBuilder
@@ -29,7 +29,7 @@ from shim.common.workspace import BufferSpec
 __all__ = ["MegaMoEFrontend"]
 
 
-class MegaMoEFrontend:
+class MegaMoEFrontend(LayerGeometry):
     arch = ""  # "sm90" / "sm100"
     fmt = ""  # moe_ep format name
     # SMs of the part a compile-only build (no GPU to ask) assumes when sizing the persistent grid.
@@ -63,35 +63,6 @@ class MegaMoEFrontend:
         self.compiled = None
         self.compiled_from_cache = False
         self._alloc()
-
-    # -- the geometry, read from the spec and the rank context (one value each, named as MoESpec names it) --
-    @property
-    def hidden_size(self) -> int:
-        return self.spec.hidden_size
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.spec.intermediate_size
-
-    @property
-    def top_k(self) -> int:
-        return self.spec.top_k
-
-    @property
-    def max_tokens_per_rank(self) -> int:
-        return self.spec.max_tokens_per_rank
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.spec.num_experts // self.ctx.world_size
-
-    @property
-    def rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
 
     def static_expert_shape(self) -> Tuple[int, int, int]:
         """(E_local, FC1's N = 2I, H): the drop's `intermediate` is FC1's N, the down projection's K is I."""
