@@ -26,6 +26,9 @@ from shim.common import compile_cache
 from shim.common.cute_args import ArgBuilder
 from shim.common.workspace import BufferSpec
 
+_capturing = torch._C._cuda_isCurrentStreamCapturing if hasattr(torch._C, "_cuda_isCurrentStreamCapturing") \
+    else torch.cuda.is_current_stream_capturing
+
 __all__ = ["MegaMoEFrontend"]
 
 
@@ -237,16 +240,24 @@ class MegaMoEFrontend(LayerGeometry):
         call. Any other call copies its inputs into the workspace and replays the graph of its token count.
         Inside a caller's capture (the caller graphs the whole model) the launch is eager.
         """
+        t = x.shape[0]
+        graphing = self.use_graphs and not self.compile_only and not _capturing()
+        if graphing and out is not None:
+            # The steady state first (an engine's static buffers): one dict lookup and the replay.
+            key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
+            graph = self._graphs.get(key)
+            if graph is not None and not self._lease.stale:
+                graph.replay()
+                return out
         if self._weights is None:
             raise RuntimeError("load_weights() must run before forward()")
         if self._lease.stale:
             self._bind()
         if self.compiled is None:
             self.compile()
-        t = x.shape[0]
         if out is None:
             out = torch.empty((t, self.hidden_size), dtype=torch.bfloat16, device=self.device)
-        if self.use_graphs and not self.compile_only and not torch.cuda.is_current_stream_capturing():
+        if graphing:
             key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
             graph = self._graphs.get(key)
             if graph is None:

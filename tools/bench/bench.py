@@ -362,6 +362,66 @@ def _fmt_row(r: dict) -> str:
     return " | ".join(_fmt_cell(r, c, f) for c, f in COLS)
 
 
+SERIES = (("moe_ep_graph_us", "moe_ep (graph, resolved knobs)", "-"), ("heuristic_graph_us", "moe_ep, drop heuristic", "-"),
+          ("flashinfer_graph_us", "FlashInfer moe_ep (graph)", "-"), ("moe_ep_eager_us", "moe_ep (eager)", ":"),
+          ("kernel_us", "drop kernel alone (profiler)", ":"), ("torch_grouped_bf16_us", "torch grouped bf16", "-."),
+          ("torch_grouped_fp8_us", "torch grouped fp8", "-."), ("torch_reference_us", "torch reference", "-."),
+          ("bw_floor_us", "bandwidth floor", "--"), ("flop_floor_us", "FLOP floor", "--"))
+RATIOS = (("tuned_vs_heuristic", "resolved knobs / heuristic"), ("moe_ep_vs_flashinfer", "moe_ep / FlashInfer"))
+
+
+def plot(rows: List[dict], out: str, title: str = "") -> None:
+    """bench.png: per geometry, times against T (left) and the side-by-side ratios (right, 1.0 = parity)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as ex:
+        print(f"no plot: {ex}")
+        return
+
+    def num(v):
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return float("nan")
+
+    geoms = sorted({r["geom"] for r in rows})
+    fig, axes = plt.subplots(len(geoms), 2, figsize=(14, 5 * len(geoms)), squeeze=False)
+    for (ax, rax), gname in zip(axes, geoms):
+        rs = sorted((r for r in rows if r["geom"] == gname), key=lambda r: num(r["T"]))
+        ts = [num(r["T"]) for r in rs]
+        for key, label, style in SERIES:
+            ys = [num(r.get(key)) for r in rs]
+            if any(y == y for y in ys):
+                ax.plot(ts, ys, marker="o", label=label, linestyle=style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("microseconds")
+        r0 = rs[0]
+        ax.set_title(f"{gname}: H={r0['hidden']} I={r0['intermediate']} E={r0['experts']} K={r0['top_k']}, "
+                     f"world size {r0['world_size']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        for key, label in RATIOS:
+            ys = [num(r.get(key)) for r in rs]
+            if any(y == y for y in ys):
+                rax.plot(ts, ys, marker="o", label=label)
+        rax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        rax.set_xscale("log", base=2)
+        rax.set_xlabel("tokens per rank")
+        rax.set_ylabel("time ratio (< 1: moe_ep's resolved knobs are faster)")
+        rax.set_title("side by side, same run")
+        rax.grid(True, which="both", alpha=0.3)
+        rax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "bench.png"), dpi=110)
+    plt.close(fig)
+
+
 def write(rows: List[dict], out: str, meta: dict) -> None:
     os.makedirs(out, exist_ok=True)
     keys = sorted({k for r in rows for k in r})
@@ -382,35 +442,7 @@ def write(rows: List[dict], out: str, meta: dict) -> None:
         f.write("| " + " | ".join(c for c, _ in COLS) + " |\n|" + "---|" * len(COLS) + "\n")
         for r in rows:
             f.write("| " + _fmt_row(r) + " |\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        geoms = sorted({r["geom"] for r in rows})
-        fig, axes = plt.subplots(1, len(geoms), figsize=(7 * len(geoms), 5), squeeze=False)
-        for ax, gname in zip(axes[0], geoms):
-            rs = [r for r in rows if r["geom"] == gname]
-            ts = [r["T"] for r in rs]
-            for key, label in (("moe_ep_graph_us", "moe_ep (graph)"), ("moe_ep_eager_us", "moe_ep (eager)"),
-                               ("kernel_us", "kernel alone"), ("torch_grouped_bf16_us", "torch grouped bf16"),
-                               ("torch_grouped_fp8_us", "torch grouped fp8"), ("torch_reference_us", "torch reference"),
-                               ("bw_floor_us", "bandwidth floor"), ("flop_floor_us", "FLOP floor")):
-                ys = [r.get(key, float("nan")) for r in rs]
-                ax.plot(ts, ys, marker="o", label=label, linestyle="--" if "floor" in key else "-")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("tokens per rank")
-            ax.set_ylabel("microseconds")
-            ax.set_title(f"{gname}: H={rs[0]['hidden']} I={rs[0]['intermediate']} E={rs[0]['experts']} K={rs[0]['top_k']}")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.suptitle(meta.get("device", ""))
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "bench.png"), dpi=110)
-    except ImportError as ex:
-        print(f"no plot: {ex}")
+    plot(rows, out, meta.get("device", ""))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -421,7 +453,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--ref-max-tokens", type=int, default=512, help="time the torch reference up to this T")
     p.add_argument("--flashinfer", default=None, help="JSON lines of flashinfer_bench.py from this same run")
     p.add_argument("--quick", action="store_true", help="skip the torch alternatives and the no-graph timing")
+    p.add_argument("--replot", metavar="DIR", help="redraw DIR/bench.png from DIR/bench.csv (no GPU) and stop")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(os.path.join(args.replot, "bench.csv"), newline="") as f:
+            rows = list(csv.DictReader(f))
+        meta_path = os.path.join(args.replot, "meta.json")
+        title = json.load(open(meta_path)).get("device", "") if os.path.exists(meta_path) else ""
+        plot(rows, args.replot, title)
+        return 0
     if not torch.cuda.is_available():
         print("the benchmark needs a CUDA GPU (sm90): none found", file=sys.stderr)
         return 2
