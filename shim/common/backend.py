@@ -17,11 +17,33 @@ from moe_ep.core.weights import ExpertWeights
 from moe_ep.formats import QuantizedActivation, QuantizedWeights
 from shim.common.knob_cache import KnobCache, cache_key
 
-__all__ = ["KernelBackend", "compile_only_frontend"]
+__all__ = ["KernelBackend", "compile_only_frontend", "size_violations"]
+
+
+def size_violations(arch: str, limits: ModuleType, fmt: str, *, hidden: int, intermediate: int,
+                    top_k: int) -> List[Tuple[str, str]]:
+    """(argument, message) for each size the `arch` kernel of `fmt` cannot serve under `limits` (shim/<arch>/
+    limits.py: FORMATS, FORMAT_MULTIPLE, MAX_TOP_K); empty when it can.
+
+    `intermediate` is moe_ep's I (the down projection's K); the kernels' FC1 width is 2I.
+    """
+    if fmt not in limits.FORMAT_MULTIPLE:
+        return [("fmt", f"the {arch} kernels serve {list(limits.FORMATS)}, got {fmt!r}")]
+    h_mult, i_mult = limits.FORMAT_MULTIPLE[fmt]
+    out = []
+    if hidden % h_mult:
+        out.append(("hidden_size", f"must be a multiple of {h_mult} for the {arch} {fmt} kernel, got {hidden}"))
+    if intermediate % i_mult:
+        out.append(("intermediate_size",
+                    f"must be a multiple of {i_mult} for the {arch} {fmt} kernel, got {intermediate}"))
+    if not 1 <= top_k <= limits.MAX_TOP_K:
+        out.append(("top_k", f"must be in [1, {limits.MAX_TOP_K}] for the {arch} kernels' dispatch, got {top_k}"))
+    return out
 
 
 class KernelBackend(Backend):
-    # Set by each arch: its limits module (size_violations) and knobs module (resolve_knobs, the knob type).
+    # Set by each arch: its limits module (the geometry rules size_violations applies) and knobs module
+    # (resolve_knobs, the knob type).
     limits: ClassVar[ModuleType]
     knobs_module: ClassVar[ModuleType]
 
@@ -45,8 +67,8 @@ class KernelBackend(Backend):
 
     @classmethod
     def check_spec(cls, spec, fmt: str, world_size: int) -> List[Tuple[str, str]]:
-        return list(super().check_spec(spec, fmt, world_size)) + cls.limits.size_violations(
-            fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size, top_k=spec.top_k)
+        return list(super().check_spec(spec, fmt, world_size)) + size_violations(
+            cls.arch, cls.limits, fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size, top_k=spec.top_k)
 
     # -- per arch / format -----------------------------------------------------------------------------------
     @staticmethod

@@ -2,7 +2,8 @@
 
 moe_ep asks these before it allocates anything (Backend.check_spec), so this module
 is plain Python: it imports neither cutlass nor the drop, and does not activate the
-sm100 tree. The frontends re-check the drop's own constants at kernel build.
+sm100 tree. The rules are data here; shim.common.backend.size_violations applies them,
+alike for every tree. The frontends re-check the drop's own constants at kernel build.
 
 Sources of each rule (drop 0.7.4 unless noted):
   * top_k <= 32: dispatch assigns `32 // num_topk` tokens per warp pass
@@ -25,9 +26,9 @@ Sources of each rule (drop 0.7.4 unless noted):
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
-__all__ = ["FORMATS", "FORMAT_MULTIPLE", "MAX_TOP_K", "size_violations"]
+__all__ = ["FORMATS", "FORMAT_MULTIPLE", "MAX_TOP_K"]
 
 FORMATS = ("nvfp4", "mxfp8", "bf16")
 
@@ -35,21 +36,3 @@ FORMATS = ("nvfp4", "mxfp8", "bf16")
 FORMAT_MULTIPLE: Dict[str, Tuple[int, int]] = {"nvfp4": (64, 64), "mxfp8": (128, 64), "bf16": (32, 32)}
 MAX_TOP_K = 32
 
-
-def size_violations(fmt: str, *, hidden: int, intermediate: int, top_k: int) -> List[Tuple[str, str]]:
-    """(argument, message) for each size the `fmt` kernel cannot serve; empty when it can.
-
-    `intermediate` is moe_ep's I (the down projection's K); the kernels' FC1 width is 2I.
-    """
-    if fmt not in FORMAT_MULTIPLE:
-        return [("fmt", f"the sm100 kernels serve {list(FORMATS)}, got {fmt!r}")]
-    h_mult, i_mult = FORMAT_MULTIPLE[fmt]
-    out = []
-    if hidden % h_mult:
-        out.append(("hidden_size", f"must be a multiple of {h_mult} for the sm100 {fmt} kernel, got {hidden}"))
-    if intermediate % i_mult:
-        out.append(("intermediate_size",
-                    f"must be a multiple of {i_mult} for the sm100 {fmt} kernel, got {intermediate}"))
-    if not 1 <= top_k <= MAX_TOP_K:
-        out.append(("top_k", f"must be in [1, {MAX_TOP_K}] for the sm100 kernels' dispatch, got {top_k}"))
-    return out

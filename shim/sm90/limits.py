@@ -2,7 +2,8 @@
 
 moe_ep asks these before it allocates anything (Backend.check_spec), so this module is plain Python: it
 imports neither cutlass nor the drop, and does not activate the sm90 tree. It is the one statement of the
-rules; the frontends trust the layer's validation and do not re-check.
+rules (as data: shim.common.backend.size_violations applies them, alike for every tree); the frontends trust
+the layer's validation and do not re-check.
 
 Sources of each rule (drop 0.7.4):
   * FP8 blockwise: H and I multiples of 128 -- the 1x128 activation and 128x128 weight scale blocks
@@ -15,9 +16,9 @@ Sources of each rule (drop 0.7.4):
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
-__all__ = ["FORMATS", "FORMAT_MULTIPLE", "MAX_TOP_K", "size_violations"]
+__all__ = ["FORMATS", "FORMAT_MULTIPLE", "MAX_TOP_K"]
 
 FORMATS = ("fp8_block", "bf16")
 
@@ -25,21 +26,3 @@ FORMATS = ("fp8_block", "bf16")
 FORMAT_MULTIPLE: Dict[str, Tuple[int, int]] = {"fp8_block": (128, 128), "bf16": (64, 64)}
 MAX_TOP_K = 32
 
-
-def size_violations(fmt: str, *, hidden: int, intermediate: int, top_k: int) -> List[Tuple[str, str]]:
-    """(argument, message) for each size the `fmt` kernel cannot serve; empty when it can.
-
-    `intermediate` is moe_ep's I (the down projection's K); the kernels' FC1 width is 2I.
-    """
-    if fmt not in FORMAT_MULTIPLE:
-        return [("fmt", f"the sm90 kernels serve {list(FORMATS)}, got {fmt!r}")]
-    h_mult, i_mult = FORMAT_MULTIPLE[fmt]
-    out = []
-    if hidden % h_mult:
-        out.append(("hidden_size", f"must be a multiple of {h_mult} for the sm90 {fmt} kernel, got {hidden}"))
-    if intermediate % i_mult:
-        out.append(("intermediate_size",
-                    f"must be a multiple of {i_mult} for the sm90 {fmt} kernel, got {intermediate}"))
-    if not 1 <= top_k <= MAX_TOP_K:
-        out.append(("top_k", f"must be in [1, {MAX_TOP_K}] for the sm90 kernels' dispatch, got {top_k}"))
-    return out
