@@ -1,16 +1,14 @@
 """Every bad argument gets its typed error, naming the argument, from a one-rank layer (gloo)."""
 
-import datetime
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import moe_ep
+from tests.support.dist import one_rank_gloo_group
 
 H, I, E, K, C = 128, 128, 4, 2, 16
 
@@ -30,14 +28,8 @@ def test_uninitialised_process_group_is_a_typed_error():
 
 @pytest.fixture(scope="module")
 def group():
-    assert not dist.is_initialized()
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    with one_rank_gloo_group():
+        yield
 
 
 def _weights(**kw):

@@ -2,37 +2,29 @@
 (moe_ep::forward / moe_ep::forward_out, moe_ep/core/op.py) with a fake implementation, so the compiler sees no
 graph break, and the compiled model's output equals eager (one-rank gloo group, torch reference backend)."""
 
-import datetime
 import re
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import moe_ep
 from moe_ep.testing.model import MoEModel
+from tests.support.dist import one_rank_gloo_group
 
 H, I, E, K, C = 256, 128, 8, 2, 32
 
 
 @pytest.fixture(scope="module")
 def model():
-    assert not dist.is_initialized()
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
-        try:
-            g = torch.Generator().manual_seed(0)
-            spec = moe_ep.MoESpec(H, I, E, K, C)
-            packs = [moe_ep.ExpertWeights((torch.randn(E, 2 * I, H, generator=g) / 16).bfloat16(),
-                                          (torch.randn(E, H, I, generator=g) / 11).bfloat16(), 0, 1, E)
-                     for _ in range(3)]
-            m = MoEModel.build(spec, packs, fmt="fp8_block", check_values=False, collective_checks=False)
-            yield m
-            m.close()
-        finally:
-            dist.destroy_process_group()
+    with one_rank_gloo_group():
+        g = torch.Generator().manual_seed(0)
+        spec = moe_ep.MoESpec(H, I, E, K, C)
+        packs = [moe_ep.ExpertWeights((torch.randn(E, 2 * I, H, generator=g) / 16).bfloat16(),
+                                      (torch.randn(E, H, I, generator=g) / 11).bfloat16(), 0, 1, E)
+                 for _ in range(3)]
+        m = MoEModel.build(spec, packs, fmt="fp8_block", check_values=False, collective_checks=False)
+        yield m
+        m.close()
 
 
 def _x(t, seed=1):

@@ -2,19 +2,17 @@
 events), the classification of peers from fake heartbeats, the message, the layer's wiring, and the exit path
 in a child process (a one-rank layer whose backend stalls, and a caller's own watch)."""
 
-import datetime
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import moe_ep
 from moe_ep.core import watchdog as wd
+from tests.support.dist import one_rank_gloo_group
 
 
 # -- the bound -----------------------------------------------------------------------------------------------
@@ -272,14 +270,8 @@ H, I, E, K, C = 128, 128, 4, 2, 8
 
 @pytest.fixture(scope="module")
 def group():
-    assert not dist.is_initialized()
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+    with one_rank_gloo_group():
+        yield
 
 
 def _weights():

@@ -10,6 +10,7 @@ import torch
 
 import moe_ep
 from moe_ep.core import registry
+from tests.support.dist import one_rank_gloo_group
 
 BACKENDS = {
     "sm100_nvfp4_cutedsl": ("shim.sm100.backend", "Sm100Nvfp4Backend", "nvfp4"),
@@ -76,14 +77,9 @@ def test_check_spec_names_what_the_kernel_cannot_serve(name, spec_kw, arguments)
 
 
 @pytest.fixture(scope="module")
-def gloo_group(tmp_path_factory):
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        store = str(tmp_path_factory.mktemp("pg") / "store")
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+def gloo_group():
+    with one_rank_gloo_group():
+        yield
 
 
 def test_a_layer_refuses_a_format_the_backend_does_not_serve(gloo_group):
