@@ -104,24 +104,21 @@ def _membership(test: ast.expr, name: str) -> Optional[Tuple[str, Tuple]]:
 def _checks_in(func: ast.FunctionDef, name: str, where_module: str) -> List[Constraint]:
     out: List[Constraint] = []
     for node in ast.walk(func):
+        # form: how the check reads; allowing: the membership operator that names the accepted values.
         if isinstance(node, ast.If) and _raises(node.body):
-            found = _membership(node.test, name)
-            if found and not _assigned_before(func, name, node.lineno):
-                op, values = found
-                where = f"{where_module}:{node.lineno} (if {name} {op} ...: raise)"
-                if op == "not in":
-                    out.append(Constraint(allowed=values, where=where))
-                else:
-                    out.append(Constraint(rejected=values, where=where))
+            form, allowing = "if {} {} ...: raise", "not in"
         elif isinstance(node, ast.Assert):
-            found = _membership(node.test, name)
-            if found and not _assigned_before(func, name, node.lineno):
-                op, values = found
-                where = f"{where_module}:{node.lineno} (assert {name} {op} ...)"
-                if op == "in":
-                    out.append(Constraint(allowed=values, where=where))
-                else:
-                    out.append(Constraint(rejected=values, where=where))
+            form, allowing = "assert {} {} ...", "in"
+        else:
+            continue
+        found = _membership(node.test, name)
+        if found and not _assigned_before(func, name, node.lineno):
+            op, values = found
+            where = f"{where_module}:{node.lineno} ({form.format(name, op)})"
+            if op == allowing:
+                out.append(Constraint(allowed=values, where=where))
+            else:
+                out.append(Constraint(rejected=values, where=where))
     return out
 
 

@@ -460,18 +460,15 @@ def check_layering(repo_root: Path, kernel_names: Optional[Set[str]] = None) -> 
         if k90 and k100:
             out.append(Violation(f, kernel_hits[0][0], "both-trees", f"imports Hopper-only {k90} and Blackwell-only {k100}"))
 
-        if _under(rel, "shim/sm90"):
-            out += [Violation(f, line, "cross-tree", f"shim/sm90 imports `{n}`") for line, n in shim100[:1]]
-            out += [
-                Violation(f, line, "cross-tree", f"shim/sm90 imports Blackwell-only `{name}`")
-                for line, name, _ in kernel_hits if _top(name) in SM100_ONLY
-            ][:1]
-        if _under(rel, "shim/sm100"):
-            out += [Violation(f, line, "cross-tree", f"shim/sm100 imports `{n}`") for line, n in shim90[:1]]
-            out += [
-                Violation(f, line, "cross-tree", f"shim/sm100 imports Hopper-only `{name}`")
-                for line, name, _ in kernel_hits if _top(name) in SM90_ONLY
-            ][:1]
+        # Each tree's shim: the first import of the other tree's shim, and of a package only the other tree has.
+        for own, other_shim, other_only, other_tree in (("shim/sm90", shim100, SM100_ONLY, "Blackwell"),
+                                                        ("shim/sm100", shim90, SM90_ONLY, "Hopper")):
+            if _under(rel, own):
+                out += [Violation(f, line, "cross-tree", f"{own} imports `{n}`") for line, n in other_shim[:1]]
+                out += [
+                    Violation(f, line, "cross-tree", f"{own} imports {other_tree}-only `{name}`")
+                    for line, name, _ in kernel_hits if _top(name) in other_only
+                ][:1]
         if _under(rel, "shim/common"):
             for line, n in (shim90 + shim100)[:1]:
                 out.append(Violation(f, line, "common-tree-specific", f"tree-agnostic shim/common imports `{n}`"))
