@@ -189,7 +189,7 @@ def _bound_from_env() -> float:
 
 # -- the wrapper: one launch per scenario ---------------------------------------------------------------------
 def launch_scenario(args, scenario: str, device: str, out: Path) -> dict:
-    from tools.launch.launcher import _rank_env, free_port
+    from tools.launch.launcher import _rank_env, free_port, kill_rank
 
     sdir = out / scenario
     sdir.mkdir(parents=True, exist_ok=True)
@@ -221,7 +221,7 @@ def launch_scenario(args, scenario: str, device: str, out: Path) -> dict:
         if now - t_start > limit:
             for r, p in enumerate(procs):
                 if r not in exit_t:
-                    _kill(p)
+                    kill_rank(p, term_grace_s=0, wait_s=10)  # a rank past the limit is hung: no SIGTERM first
                     killed.append(r)
                     exit_t[r] = time.time()
             break
@@ -276,17 +276,6 @@ def check(result: dict, fault_rank: int) -> List[dict]:
         out.append({"rank": r["rank"], "ok": bool(ok), "expect": what, "returncode": r["returncode"],
                     "exit_s_after_fault": r["exit_s_after_fault"]})
     return out
-
-
-def _kill(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _read_json(path: Path) -> dict:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["RankFailure", "RankResult", "launch", "launch_function", "free_port", "main"]
+__all__ = ["RankFailure", "RankResult", "launch", "launch_function", "free_port", "kill_rank", "main"]
 
 _WORKER = str(Path(__file__).resolve().with_name("worker.py"))
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -108,7 +108,7 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
         killed = set()
         for r, p in enumerate(procs):
             if p.poll() is None:
-                _kill(p)
+                kill_rank(p)
                 killed.add(r)
         results = []
         for r, (p, log) in enumerate(zip(procs, logs)):
@@ -119,23 +119,28 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill(p)
+                kill_rank(p)
         for log in logs:
             log.close()
 
 
-def _kill(p: subprocess.Popen) -> None:
-    # Each rank leads its own session (start_new_session), so this reaches its children and nothing else.
+def kill_rank(p: subprocess.Popen, term_grace_s: float = 5.0, wait_s: float = 5.0) -> None:
+    """End a rank started with start_new_session=True, children included: SIGTERM to its process group, SIGKILL
+    if it is still there after term_grace_s (at once with 0); then wait up to wait_s for it to be reaped.
+    Each rank leads its own session, so this reaches its children and nothing else."""
     try:
-        os.killpg(p.pid, signal.SIGTERM)
-        p.wait(timeout=5)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if term_grace_s > 0:
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=term_grace_s)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     try:
-        p.wait(timeout=5)
+        p.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         pass
 
