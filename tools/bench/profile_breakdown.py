@@ -20,6 +20,7 @@ def main(argv=None) -> int:
     import moe_ep
     from tools.bench.bench import GEOMS, bucket, init_single_rank, routing
     from tools.bench.timing import kernel_groups_us
+    from tools.bench.weights import random_weights
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "profile_out"))
@@ -30,9 +31,7 @@ def main(argv=None) -> int:
     g = GEOMS["dsv3"]
     h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
     gen = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(torch.bfloat16).to(dev)
-    w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).to(dev)
-    weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=0, world_size=1, num_experts=e)
+    weights = random_weights(g, gen, dev)
     rows = []
     for t in args.tokens:
         spec = moe_ep.MoESpec(hidden_size=h, intermediate_size=i, num_experts=e, top_k=k,

@@ -6,20 +6,25 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["cuda_time_us", "host_time_us", "paired_host_time_us", "kernel_groups_us", "classify", "FUSED", "REDUCE",
-           "STAGING"]
+__all__ = ["cuda_time_us", "host_time_us", "host_us_per_call", "paired_host_time_us", "kernel_groups_us", "classify",
+           "FUSED", "REDUCE", "STAGING"]
 
 
-def cuda_time_us(fn: Callable[[], None], iters: int = 30, warmup: int = 5) -> float:
+def cuda_time_us(fn: Callable[[], None], iters: int = 30, warmup: int = 5,
+                 flush: Optional[torch.Tensor] = None) -> float:
+    """CUDA-event time of one call, median of `iters` after `warmup` calls. flush: a buffer (larger than the L2)
+    zeroed before each timed call, outside the events, for cold-cache times."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if flush is not None:
+            flush.zero_()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -39,6 +44,31 @@ def host_time_us(fn: Callable[[], None], iters: int = 20) -> float:
         cpu.append((time.perf_counter() - c0) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(cpu)
+
+
+def host_us_per_call(fn: Callable[[], None], n: int, blocks: int, sync: Callable[[], None] = torch.cuda.synchronize,
+                     idle: bool = False) -> float:
+    """Host time per call, median over `blocks` blocks of `n` back-to-back calls, synchronised between blocks so
+    the launch queue never fills. idle=True synchronises before every call too and times only the call (nothing
+    in it can wait on the device)."""
+    per = []
+    for _ in range(blocks):
+        sync()
+        if idle:
+            total = 0.0
+            for _ in range(n):
+                sync()
+                t = time.perf_counter()
+                fn()
+                total += time.perf_counter() - t
+            per.append(total / n * 1e6)
+        else:
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            per.append((time.perf_counter() - t) / n * 1e6)
+    sync()
+    return statistics.median(per)
 
 
 def paired_host_time_us(fn: Callable[[], None], on: Callable[[], None], off: Callable[[], None], rounds: int = 15,

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -39,6 +38,7 @@ import traceback
 import torch
 
 from shim.sm90 import fp8_staging as fs  # needs the repo root on PYTHONPATH (or run under Bazel)
+from tools.bench.timing import cuda_time_us
 
 ref = fs._ref
 U8 = torch.uint8
@@ -46,6 +46,7 @@ TS = (1, 7, 128, 1000, 4096, 8192)
 HS = (128, 512, 2048, 4096, 7168)
 BENCH_TS = (128, 1024, 4096)
 BENCH_H = 7168
+TIMED_ITERS = 50  # CUDA-event timings: median of this many calls
 SIM_MAX_ELEMS = 1000 * 7168  # CPU simulation / CPU reference only up to this size (time)
 SWEEP = [dict(block_m=bm, blocks_per_program=kb, num_warps=nw)
          for bm, kb, nw in ((32, 1, 4), (16, 1, 4), (64, 1, 4), (64, 1, 8), (32, 2, 4), (32, 4, 4), (8, 4, 4),
@@ -54,13 +55,16 @@ N_EXAMPLES = 8
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
-def random_x(t, h, seed, device):
+def random_x(t, h, seed, device, edge_rows=None):
+    """[t, h] bf16, random normal with every 1x128 block at its own scale (1e-6 .. 1e4), and up to `edge_rows`
+    (default t // 2: mostly random rows; small T gets the all-edge case, edge_x) of fp8_staging's edge-case rows
+    at random positions. tests/shim/sm90/fp8_staging_gpu_test.py draws its inputs here too."""
     g = torch.Generator().manual_seed(seed)
     nb = h // 128
     scale = torch.pow(10.0, torch.empty(t, nb, 1).uniform_(-6, 4, generator=g))
     x = (torch.randn(t, nb, 128, generator=g) * scale).reshape(t, h).to(torch.bfloat16)
     edge = fs.edge_case_rows(h, seed=seed)
-    n = min(t // 2, edge.shape[0])  # keep mostly random rows; small T gets the all-edge case below
+    n = min(t // 2 if edge_rows is None else edge_rows, edge.shape[0])
     if n:
         x[torch.randperm(t, generator=g)[:n]] = edge[:n]
     return x.to(device)
@@ -261,23 +265,6 @@ def graph_check(device):
 
 
 # ------------------------------------------------------------------------------------------------- timing
-def cuda_time_us(fn, iters=50, warmup=5, flush=None):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        if flush is not None:
-            flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0)
-    return statistics.median(times)
-
-
 def host_us(fn, n=200):
     fn()
     torch.cuda.synchronize()
@@ -308,10 +295,10 @@ def bench(device):
             fs.stage_fp8_blocks(x, q8, s, backend="triton")
 
         row = dict(T=t, H=h)
-        row["torch_ref_us"] = cuda_time_us(torch_path)
-        row["fused_us"] = cuda_time_us(fused)
-        row["torch_ref_cold_us"] = cuda_time_us(torch_path, flush=flush)
-        row["fused_cold_us"] = cuda_time_us(fused, flush=flush)
+        row["torch_ref_us"] = cuda_time_us(torch_path, TIMED_ITERS)
+        row["fused_us"] = cuda_time_us(fused, TIMED_ITERS)
+        row["torch_ref_cold_us"] = cuda_time_us(torch_path, TIMED_ITERS, flush=flush)
+        row["fused_cold_us"] = cuda_time_us(fused, TIMED_ITERS, flush=flush)
         row["fused_host_us"] = host_us(fused)
         moved = t * h * 2 + t * h + t * nb * 4
         row["fused_GBps"] = moved / (row["fused_us"] * 1e-6) / 1e9
@@ -320,7 +307,7 @@ def bench(device):
         sweep = []
         for cfg in SWEEP:
             try:
-                us = cuda_time_us(lambda x=x, q8=q8, s=s, cfg=cfg: fs.launch_fused(x, q8, s, **cfg))
+                us = cuda_time_us(lambda x=x, q8=q8, s=s, cfg=cfg: fs.launch_fused(x, q8, s, **cfg), TIMED_ITERS)
                 rq, rs = ref.fp8_quantize_rows(x, 128)
                 ok = bool(torch.equal(q[:t], rq.view(U8)) and torch.equal(s[:t, :nb].contiguous().view(torch.int32),
                                                                           rs.view(torch.int32)))

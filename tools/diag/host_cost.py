@@ -13,34 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
-
-
-def _blocks_us(fn: Callable[[], None], n: int, blocks: int, sync: Callable[[], None], idle: bool) -> float:
-    """Median over blocks of the host time per call; idle=True synchronises before every call and times only
-    the call."""
-    per = []
-    for _ in range(blocks):
-        sync()
-        if idle:
-            total = 0.0
-            for _ in range(n):
-                sync()
-                t = time.perf_counter()
-                fn()
-                total += time.perf_counter() - t
-            per.append(total / n * 1e6)
-        else:
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            per.append((time.perf_counter() - t) / n * 1e6)
-    sync()
-    return statistics.median(per)
+from typing import Dict, List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -56,15 +31,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     import moe_ep
     from moe_ep.core.validate import validate_forward
     from tools.bench.bench import GEOMS, bucket, init_single_rank, routing
+    from tools.bench.timing import host_us_per_call
+    from tools.bench.weights import random_weights
 
     dev = init_single_rank("29531")
     sync = torch.cuda.synchronize
     g = GEOMS["dsv3"]
     h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
-    wgen = torch.Generator().manual_seed(100)
-    w13 = (torch.randn(e, 2 * i, h, generator=wgen) / h ** 0.5).to(torch.bfloat16).to(dev)
-    w2 = (torch.randn(e, h, i, generator=wgen) / i ** 0.5).to(torch.bfloat16).to(dev)
-    weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=0, world_size=1, num_experts=e)
+    weights = random_weights(g, torch.Generator().manual_seed(100), dev)  # the benchmark's weights
     rows: List[Dict[str, object]] = []
     layers = {}
     for t in args.tokens:
@@ -87,17 +61,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         watch = layer.watch
         row: Dict[str, object] = dict(T=t, capacity=cap, knobs=str(layer.backend.knobs))
         n, blocks = 50, 9
-        row["call_busy_us"] = _blocks_us(call, n, blocks, sync, idle=False)
-        row["call_idle_us"] = _blocks_us(call, n, blocks, sync, idle=True)
-        row["validate_us"] = _blocks_us(lambda: validate_forward(layer.spec, layer.ctx, x, idx, w, out, False),
-                                        n, blocks, sync, idle=False)
+        row["call_busy_us"] = host_us_per_call(call, n, blocks, sync, idle=False)
+        row["call_idle_us"] = host_us_per_call(call, n, blocks, sync, idle=True)
+        row["validate_us"] = host_us_per_call(lambda: validate_forward(layer.spec, layer.ctx, x, idx, w, out, False),
+                                              n, blocks, sync, idle=False)
         if watch is not None:
-            row["watch_begin_end_us"] = _blocks_us(lambda: watch.end(watch.begin()), n, blocks, sync, idle=False)
-        row["backend_forward_us"] = _blocks_us(lambda: layer.backend.forward(x, idx, w, out), n, blocks, sync,
-                                               idle=True)
-        row["graph_replay_busy_us"] = _blocks_us(graph.replay, n, blocks, sync, idle=False)
-        row["graph_replay_idle_us"] = _blocks_us(graph.replay, n, blocks, sync, idle=True)
-        row["capture_check_us"] = _blocks_us(torch.cuda.is_current_stream_capturing, n, blocks, sync, idle=False)
+            row["watch_begin_end_us"] = host_us_per_call(lambda: watch.end(watch.begin()), n, blocks, sync,
+                                                         idle=False)
+        row["backend_forward_us"] = host_us_per_call(lambda: layer.backend.forward(x, idx, w, out), n, blocks, sync,
+                                                     idle=True)
+        row["graph_replay_busy_us"] = host_us_per_call(graph.replay, n, blocks, sync, idle=False)
+        row["graph_replay_idle_us"] = host_us_per_call(graph.replay, n, blocks, sync, idle=True)
+        row["capture_check_us"] = host_us_per_call(torch.cuda.is_current_stream_capturing, n, blocks, sync,
+                                                   idle=False)
         rows.append(row)
         print({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}, flush=True)
     cols = [c for c in rows[0] if c not in ("knobs",)]

@@ -17,23 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Dict, Optional
-
-
-def _per_call_us(fn: Callable[[], None], sync: Callable[[], None], n: int = 2000, blocks: int = 7) -> float:
-    out = []
-    for _ in range(blocks):
-        sync()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t) / n * 1e6)
-    sync()
-    return statistics.median(out)
+from typing import Dict, Optional
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -46,10 +32,15 @@ def main(argv: Optional[list] = None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     from moe_ep.core import watchdog as wd
+    from tools.bench.timing import host_us_per_call
 
     dev = torch.cuda.current_device()
     torch.cuda.init()
     sync = torch.cuda.synchronize
+
+    def per_call_us(fn):  # the docstring's blocks: median of 7 blocks of 2000 calls
+        return host_us_per_call(fn, 2000, 7, sync)
+
     results: Dict[str, object] = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__}
     times: Dict[str, float] = {}
 
@@ -76,23 +67,23 @@ def main(argv: Optional[list] = None) -> int:
             w.end(w.begin())
         return one
 
-    times["begin+end, CPU watch (Python only)"] = _per_call_us(pairs(watch()), sync)
+    times["begin+end, CPU watch (Python only)"] = per_call_us(pairs(watch()))
     if driver.kind == "driver":
-        times["begin+end, CUDA watch, driver events (default)"] = _per_call_us(pairs(watch(driver)), sync)
-    times["begin+end, CUDA watch, torch events (fallback)"] = _per_call_us(pairs(watch(tch)), sync)
+        times["begin+end, CUDA watch, driver events (default)"] = per_call_us(pairs(watch(driver)))
+    times["begin+end, CUDA watch, torch events (fallback)"] = per_call_us(pairs(watch(tch)))
 
     raw = torch._C._cuda_getCurrentRawStream(dev)
-    times["torch._C._cuda_getCurrentRawStream"] = _per_call_us(lambda: torch._C._cuda_getCurrentRawStream(dev), sync)
-    times["torch._C._cuda_isCurrentStreamCapturing"] = _per_call_us(torch._C._cuda_isCurrentStreamCapturing, sync)
+    times["torch._C._cuda_getCurrentRawStream"] = per_call_us(lambda: torch._C._cuda_getCurrentRawStream(dev))
+    times["torch._C._cuda_isCurrentStreamCapturing"] = per_call_us(torch._C._cuda_isCurrentStreamCapturing)
     if driver.kind == "driver":
         dev_ev = driver.new_events(dev, 1)[0]
-        times["cuEventRecord through ctypes"] = _per_call_us(lambda: driver.record(dev_ev, raw), sync)
-        times["cuEventQuery through ctypes (monitor side)"] = _per_call_us(lambda: driver.query(dev_ev), sync)
+        times["cuEventRecord through ctypes"] = per_call_us(lambda: driver.record(dev_ev, raw))
+        times["cuEventQuery through ctypes (monitor side)"] = per_call_us(lambda: driver.query(dev_ev))
     ev = torch.cuda.Event()
     stream = torch.cuda.current_stream()
     base = torch._C._CudaEventBase.record
-    times["torch _CudaEventBase.record(ev, stream)"] = _per_call_us(lambda: base(ev, stream), sync)
-    times["torch.cuda.Event.record()"] = _per_call_us(ev.record, sync)
+    times["torch _CudaEventBase.record(ev, stream)"] = per_call_us(lambda: base(ev, stream))
+    times["torch.cuda.Event.record()"] = per_call_us(ev.record)
     results["per_call_us"] = times
 
     checks = {}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shim.sm90 import fp8_staging as fs
+from tools.diag.fp8_staging_check import random_x
 
 ref = fs._ref
 ARCH_MAJOR = {"sm90": 9, "sm100": 10}
@@ -29,14 +30,8 @@ def dev():
 
 
 def _x(t, h, seed, dev):
-    g = torch.Generator().manual_seed(seed)
-    nb = h // 128
-    scale = torch.pow(10.0, torch.empty(t, nb, 1).uniform_(-6, 4, generator=g))
-    x = (torch.randn(t, nb, 128, generator=g) * scale).reshape(t, h).to(torch.bfloat16)
-    edge = fs.edge_case_rows(h, seed=seed)
-    n = min(t, edge.shape[0])
-    x[torch.randperm(t, generator=g)[:n]] = edge[:n]
-    return x.to(dev)
+    """The diagnostic's random inputs, with as many edge-case rows as fit in t."""
+    return random_x(t, h, seed, dev, edge_rows=t)
 
 
 def _buffers(t, h, dev):
