@@ -42,11 +42,26 @@ def _is_sm100_repo(path):
     return os.path.abspath(path) == _root() or os.path.basename(os.path.normpath(path)) == REPO
 
 
+# Defined in every child script: how a case says that something must be refused.
+_REFUSED = """
+def refused(action, error, what, *, argument=None, label="REFUSED"):
+    # action() must raise `error` (naming `argument`, when given): print `label` and the error; else exit
+    # saying `what` happened, and what action() returned.
+    try:
+        result = action()
+    except error as e:
+        assert argument is None or e.argument == argument, e.argument
+        print(label, e)
+    else:
+        raise SystemExit(f"{what}: {result!r}")
+"""
+
+
 def _run(code, without_sm100_on_path=False, without_runfiles=False, **env):
-    """Run `code` in a fresh interpreter that imports what this one does; the sm100 tree is found through
-    $MOE_EP_SM100_TREE unless `env` says otherwise. without_sm100_on_path: also drop the sm100 repository from the
-    path (under Bazel its py_library put it there), as in a process that has not loaded it yet. without_runfiles:
-    hide the runfiles variables too, so the Bazel tree is not found at all."""
+    """Run `code` in a fresh interpreter that imports what this one does, with refused() defined (_REFUSED); the
+    sm100 tree is found through $MOE_EP_SM100_TREE unless `env` says otherwise. without_sm100_on_path: also drop the
+    sm100 repository from the path (under Bazel its py_library put it there), as in a process that has not loaded
+    it yet. without_runfiles: hide the runfiles variables too, so the Bazel tree is not found at all."""
     full_env = dict(os.environ, MOE_EP_SM100_TREE=_root())
     full_env.pop("MOE_EP_UNPINNED_TREE", None)
     if without_runfiles:
@@ -55,8 +70,8 @@ def _run(code, without_sm100_on_path=False, without_runfiles=False, **env):
     full_env.update({k: str(v) for k, v in env.items()})
     keep = (lambda p: not _is_sm100_repo(p)) if without_sm100_on_path else (lambda p: True)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and keep(p))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _REFUSED + textwrap.dedent(code)], env=full_env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
 
@@ -74,12 +89,7 @@ def test_hopper_refused_after_blackwell():
         assert tree.active_tree()[0] == "sm100"
         import common.megamoe_constants as c
         assert hasattr(c, "Nvfp4BlockSize")
-        try:
-            tree.activate("sm90")
-        except tree.TreeConflictError as e:
-            print("REFUSED", e)
-        else:
-            raise SystemExit("the sm90 tree was activated beside sm100")
+        refused(lambda: tree.activate("sm90"), tree.TreeConflictError, "the sm90 tree was activated beside sm100")
         assert tree.activate("sm100") == tree.active_tree()[1]  # the same tree again is fine
     """)
     assert "REFUSED" in out and "already holds the sm100 kernel tree" in out
@@ -87,16 +97,13 @@ def test_hopper_refused_after_blackwell():
 
 def test_blackwell_refused_after_hopper(hopper_standin):
     out = _run("""
+        import importlib
         from shim.common import tree
         tree.activate("sm90")
         import common
         assert common.WHICH == "hopper common"
-        try:
-            import shim.sm100.kernel_symbols
-        except tree.TreeConflictError as e:
-            print("REFUSED", e)
-        else:
-            raise SystemExit("shim.sm100 loaded beside the sm90 tree")
+        refused(lambda: importlib.import_module("shim.sm100.kernel_symbols"), tree.TreeConflictError,
+                "shim.sm100 loaded beside the sm90 tree")
     """, without_sm100_on_path=True, MOE_EP_SM90_TREE=hopper_standin, MOE_EP_UNPINNED_TREE="sm90")
     assert "REFUSED" in out and "already holds the sm90 kernel tree" in out
 
@@ -107,12 +114,7 @@ def test_blackwell_refused_when_a_kernel_name_was_imported_around_the_guard(hopp
         sys.path.insert(0, {str(hopper_standin)!r})
         import common  # imported by hand, not through shim.common.tree
         from shim.common import tree
-        try:
-            tree.activate("sm100")
-        except tree.TreeConflictError as e:
-            print("REFUSED", e)
-        else:
-            raise SystemExit("sm100 activated over a foreign 'common'")
+        refused(lambda: tree.activate("sm100"), tree.TreeConflictError, "sm100 activated over a foreign 'common'")
         assert tree.active_tree() is None
     """)
     assert "REFUSED" in out and "common (from" in out and "hopper_src" in out
@@ -125,12 +127,8 @@ def test_blackwell_refused_when_the_hopper_repository_is_on_sys_path(tmp_path):
         import sys
         sys.path.append({str(other)!r})
         from shim.common import tree
-        try:
-            tree.activate("sm100")
-        except tree.TreeConflictError as e:
-            print("REFUSED", e)
-        else:
-            raise SystemExit("sm100 activated with the sm90 repository on sys.path")
+        refused(lambda: tree.activate("sm100"), tree.TreeConflictError,
+                "sm100 activated with the sm90 repository on sys.path")
     """)
     assert "REFUSED" in out and "a target must depend on one tree only" in out
 
@@ -163,13 +161,8 @@ def test_a_copy_of_the_pinned_tree_with_an_edited_file_is_refused(tmp_path):
         import sys
         sys.path.insert(0, {str(copy)!r})
         from shim.common import tree
-        try:
-            tree.activate("sm100")
-        except tree.TreeIntegrityError as e:
-            assert e.argument == "tree"
-            print("REFUSED", e)
-        else:
-            raise SystemExit("an edited sm100 tree was activated")
+        refused(lambda: tree.activate("sm100"), tree.TreeIntegrityError, "an edited sm100 tree was activated",
+                argument="tree")
         assert tree.active_tree() is None
     """, without_sm100_on_path=True, without_runfiles=True, MOE_EP_SM100_TREE="")
     assert "REFUSED" in out and "changed: common/megamoe_constants.py" in out
@@ -182,13 +175,8 @@ def test_an_env_tree_that_differs_from_the_pinned_bazel_tree_is_refused(tmp_path
     shutil.rmtree(copy / "moe_bf16_glu")  # as an older drop without the BF16 kernel
     out = _run("""
         from shim.common import tree
-        try:
-            tree.activate("sm100")
-        except tree.TreeIntegrityError as e:
-            assert e.argument == "MOE_EP_SM100_TREE"
-            print("REFUSED", e)
-        else:
-            raise SystemExit("an unverified env tree was accepted beside the pinned one")
+        refused(lambda: tree.activate("sm100"), tree.TreeIntegrityError,
+                "an unverified env tree was accepted beside the pinned one", argument="MOE_EP_SM100_TREE")
     """, MOE_EP_SM100_TREE=copy)
     assert "REFUSED" in out and "removed: moe_bf16_glu/" in out and "Under Bazel the variable is not needed" in out
 
@@ -214,27 +202,19 @@ def test_an_env_tree_declared_unpinned_serves_alone_with_a_warning(tmp_path):
 def test_a_kernel_module_from_a_second_root_is_refused(tmp_path):
     second = _copy_of_the_pinned_tree(tmp_path / "second" / "src")
     out = _run(f"""
-        import sys, types
+        import importlib, sys, types
         from shim.common import tree
         import shim.sm100.kernel_symbols as ks
         sys.path.insert(0, {str(second)!r})
-        try:
-            import moe_bf16_glu
-        except tree.TreeConflictError as e:
-            print("REFUSED import", e)
-        else:
-            raise SystemExit("moe_bf16_glu imported from a second root: " + moe_bf16_glu.__file__)
+        refused(lambda: importlib.import_module("moe_bf16_glu"), tree.TreeConflictError,
+                "moe_bf16_glu imported from a second root", label="REFUSED import")
         sys.path.remove({str(second)!r})
         fake = types.ModuleType("common.host_utils")
         fake.__file__ = {str(second / "common" / "host_utils.py")!r}
         fake.get_cutedsl_target_arch = lambda: "sm_100a"
         sys.modules["common.host_utils"] = fake
-        try:
-            ks.get_cutedsl_target_arch
-        except tree.TreeConflictError as e:
-            print("REFUSED lazy", e)
-        else:
-            raise SystemExit("kernel_symbols resolved a module from a second root")
+        refused(lambda: ks.get_cutedsl_target_arch, tree.TreeConflictError,
+                "kernel_symbols resolved a module from a second root", label="REFUSED lazy")
     """)
     assert "REFUSED import" in out and "REFUSED lazy" in out and str(second) in out
 
