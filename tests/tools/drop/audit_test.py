@@ -53,6 +53,15 @@ def new_drop(old: Path, tmp: Path) -> Path:
     return synthetic.copy_drop(old, tmp / "new")
 
 
+def audit_of_edits(world, tmp: Path, *edits):
+    """The audit of a copy of the old drop with each (file, text, replacement) edit made to it."""
+    repo, old = world
+    new = new_drop(old, tmp)
+    for path, text, replacement in edits:
+        synthetic.edit(new, path, text, replacement)
+    return audit(repo, old, new)
+
+
 def test_self_audit_is_clean(world):
     repo, old = world
     cutlass_before = "cutlass" in sys.modules
@@ -72,12 +81,18 @@ def test_self_audit_is_clean(world):
                                          "Sm90MegaMoESwapABFp8Kernel", "SymBufferHost"]
 
 
-def test_missing_bf16_package_breaks_only_the_bf16_backend(world, tmp_path):
-    # The issue's case: a drop without the BF16 package must not read like one where everything breaks.
+@pytest.fixture
+def without_bf16(world, tmp_path):
+    """The audit of a drop without the BF16 package (the issue's case)."""
     repo, old = world
     new = new_drop(old, tmp_path)
     shutil.rmtree(new / "moe_hopper_bf16")
-    result = audit(repo, old, new)
+    return audit(repo, old, new)
+
+
+def test_missing_bf16_package_breaks_only_the_bf16_backend(without_bf16):
+    # A drop without the BF16 package must not read like one where everything breaks.
+    result = without_bf16
     got = breaks(result)
     assert got["moe_hopper_bf16.megamoe_kernel_bf16.Sm90MegaMoEBf16Kernel"] == (
         ("shim/sm90/kernel_symbols.py:9", "shim/sm90/bf16_frontend.py:10"), (BF16,))
@@ -91,10 +106,8 @@ def test_missing_bf16_package_breaks_only_the_bf16_backend(world, tmp_path):
 
 
 def test_removed_parameter_the_shim_passes_maps_to_its_call_sites(world, tmp_path):
-    repo, old = world
-    new = new_drop(old, tmp_path)
-    synthetic.edit(new, KERNEL, '        token_back_mode: Literal["epi_warps", "standalone_warps"] = "epi_warps",\n', "")
-    result = audit(repo, old, new)
+    result = audit_of_edits(world, tmp_path, (
+        KERNEL, '        token_back_mode: Literal["epi_warps", "standalone_warps"] = "epi_warps",\n', ""))
     got = breaks(result)
     # Constructor keyword in the shared sm90 frontend, the knob key in knobs.py; only the FP8
     # kernel lost it, so only the FP8 backend breaks although the BF16 one runs the same line.
@@ -105,11 +118,10 @@ def test_removed_parameter_the_shim_passes_maps_to_its_call_sites(world, tmp_pat
 
 
 def test_removed_launch_argument_breaks_every_backend(world, tmp_path):
-    repo, old = world
-    new = new_drop(old, tmp_path)
-    synthetic.edit(new, KERNEL, "activation_sf, topk_idx, topk_weights, output", "activation_sf, topk_idx, output")
-    synthetic.edit(new, "moe_hopper_bf16/megamoe_kernel_bf16.py", "topk_idx, topk_weights, output", "topk_idx, output")
-    result = audit(repo, old, new)
+    result = audit_of_edits(
+        world, tmp_path,
+        (KERNEL, "activation_sf, topk_idx, topk_weights, output", "activation_sf, topk_idx, output"),
+        ("moe_hopper_bf16/megamoe_kernel_bf16.py", "topk_idx, topk_weights, output", "topk_idx, output"))
     got = breaks(result)
     # The launch arguments are collected in the tree-agnostic shim/common/.
     assert got["Sm90MegaMoEFp8Kernel.__call__(topk_weights)"] == (("shim/common/frontend.py:8",), (FP8,))
@@ -119,10 +131,7 @@ def test_removed_launch_argument_breaks_every_backend(world, tmp_path):
 
 
 def test_removed_parameter_nobody_passes_is_a_warning(world, tmp_path):
-    repo, old = world
-    new = new_drop(old, tmp_path)
-    synthetic.edit(new, KERNEL, "        dedup_dispatch: bool = False,\n", "")
-    result = audit(repo, old, new)
+    result = audit_of_edits(world, tmp_path, (KERNEL, "        dedup_dispatch: bool = False,\n", ""))
     assert findings(result, "break", "warn") == [
         ("warn", "signatures", f"{cls}.__init__(dedup_dispatch)",
          "removed: dedup_dispatch: bool = False removed; no shim line passes it: accept the contract once reviewed")
@@ -132,14 +141,11 @@ def test_removed_parameter_nobody_passes_is_a_warning(world, tmp_path):
 
 
 def test_rename_needs_evidence(world, tmp_path):
-    repo, old = world
-    new = new_drop(old, tmp_path)
     # Same slot, same type: a rename the shim still uses the old name of.
-    synthetic.edit(new, KERNEL, "        hidden: int,", "        hidden_size: int,")
-    got = breaks(audit(repo, old, new))
-    assert got["Sm90MegaMoEFp8Kernel.__init__(hidden)"][0] == ("shim/sm90/frontend.py:22",)
+    result = audit_of_edits(world, tmp_path, (KERNEL, "        hidden: int,", "        hidden_size: int,"))
+    assert breaks(result)["Sm90MegaMoEFp8Kernel.__init__(hidden)"][0] == ("shim/sm90/frontend.py:22",)
     assert "renamed: hidden -> hidden_size" in [
-        f.detail for f in audit(repo, old, new).findings if f.subject == "Sm90MegaMoEFp8Kernel.__init__(hidden)"]
+        f.detail for f in result.findings if f.subject == "Sm90MegaMoEFp8Kernel.__init__(hidden)"]
 
 
 def test_removed_and_unrelated_added_are_not_a_rename():
@@ -162,10 +168,8 @@ def test_removed_and_unrelated_added_are_not_a_rename():
 
 
 def test_removed_kernel_class(world, tmp_path):
-    repo, old = world
-    new = new_drop(old, tmp_path)
-    synthetic.edit(new, KERNEL, "class Sm90MegaMoESwapABFp8Kernel(Sm90MegaMoEFp8Kernel):\n    pass\n", "")
-    result = audit(repo, old, new)
+    result = audit_of_edits(world, tmp_path,
+                            (KERNEL, "class Sm90MegaMoESwapABFp8Kernel(Sm90MegaMoEFp8Kernel):\n    pass\n", ""))
     got = breaks(result)
     assert got["Sm90MegaMoESwapABFp8Kernel"] == (("shim/sm90/fp8_frontend.py:10",), (FP8,))
     assert got["moe_hopper_fp8.megamoe_kernel_fp8.Sm90MegaMoESwapABFp8Kernel (shim name SwapAB)"] == (
@@ -212,10 +216,7 @@ def test_stray_compiled_files_are_reported(world, tmp_path):
 
 
 def test_knob_value_no_longer_accepted(world, tmp_path):
-    repo, old = world
-    new = new_drop(old, tmp_path)
-    synthetic.edit(new, "moe_hopper_fp8/base_kernel.py", '("1xacc", "2xacc")', '("1xacc",)')
-    result = audit(repo, old, new)
+    result = audit_of_edits(world, tmp_path, ("moe_hopper_fp8/base_kernel.py", '("1xacc", "2xacc")', '("1xacc",)'))
     assert [(f.subject, f.detail, f.sites, f.pairs) for f in result.findings if f.status == "break"] == [
         ("Sm90MegaMoEFp8Kernel.fp8_accum_mode='2xacc'",
          "rejected by moe_hopper_fp8.base_kernel:9 (if accum_mode not in ...: raise); accepts ['1xacc']",
@@ -244,11 +245,8 @@ def test_shim_passing_a_name_the_kernel_lacks_is_flagged(world):
             "does not take") in findings(result)
 
 
-def test_verdict_fits_one_screen(world, tmp_path):
-    repo, old = world
-    new = new_drop(old, tmp_path)
-    shutil.rmtree(new / "moe_hopper_bf16")
-    result = audit(repo, old, new)
+def test_verdict_fits_one_screen(without_bf16):
+    result = without_bf16
     summary = render_summary(result)
     lines = summary.splitlines()
     assert len(lines) <= 25 and max(map(len, lines)) <= 240
