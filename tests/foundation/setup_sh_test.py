@@ -6,7 +6,6 @@ its arguments. Nothing touches the machine's package manager. `external`: the sc
 the source tree (tools/ exports no file label for it).
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
