@@ -41,6 +41,7 @@ import torch
 from moe_ep.core.graphs import capture_graph
 from tools.bench.timing import (FUSED, REDUCE, STAGING, cuda_time_us, host_time_us, kernel_groups_us,
                                 paired_host_time_us)
+from tools.bench.weights import random_weights
 
 GEOMS = {
     "dsv3": dict(hidden=7168, intermediate=2048, experts=32, top_k=8),
@@ -234,10 +235,8 @@ def run(args) -> List[dict]:
         g = GEOMS[gname]
         gen = torch.Generator().manual_seed(0)
         h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
-        wgen = torch.Generator().manual_seed(100 + rank)
-        w13 = (torch.randn(e, 2 * i, h, generator=wgen) / h ** 0.5).to(torch.bfloat16).to(dev)
-        w2 = (torch.randn(e, h, i, generator=wgen) / i ** 0.5).to(torch.bfloat16).to(dev)
-        weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world, num_experts=e * world)
+        weights = random_weights(g, torch.Generator().manual_seed(100 + rank), dev, rank, world)
+        w13, w2 = weights.w13, weights.w2
         alts = {}
         if world == 1 and not args.quick:
             alts["torch grouped bf16"] = GroupedTorch(w13, w2, fp8=False)
