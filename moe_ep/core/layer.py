@@ -8,7 +8,7 @@ import torch
 
 from moe_ep.core import op, registry, watchdog
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import DTypeError, FormatError, LayerClosedError
+from moe_ep.core.errors import DTypeError, FormatError, LayerClosedError, WatchdogConfigError
 from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.core.validate import validate_forward, validate_spec_for_backend, validate_weights
 from moe_ep.core.weights import ExpertWeights
@@ -100,8 +100,6 @@ class MoELayer(LayerGeometry):
     @watched.setter
     def watched(self, on: bool) -> None:
         if on and self._watch is None:
-            from moe_ep.core.errors import WatchdogConfigError
-
             raise WatchdogConfigError("watched", "this layer was built with its watchdog off (timeout_s=0 or "
                                                  "MOE_EP_TIMEOUT_S=0); build it with a bound to watch it")
         self._watch_paused = not on

@@ -79,10 +79,11 @@ def _module_present(module: str) -> bool:
 
     if module in sys.modules:
         return True
+    parts = module.split(".")
     path = None
     try:
-        for depth, part in enumerate(module.split(".")):
-            name = ".".join(module.split(".")[:depth + 1])
+        for depth in range(1, len(parts) + 1):
+            name = ".".join(parts[:depth])
             loaded = sys.modules.get(name)
             if loaded is not None:
                 spec = getattr(loaded, "__spec__", None)

@@ -58,23 +58,12 @@ def _progress(done: int, total: int, started: float, label: str, out) -> None:
     out.flush()
 
 
-def _comm_device(group):
-    """Where the group's collectives run: CPU when it has gloo (alone or as "cpu:gloo,cuda:nccl"), else this
-    rank's GPU (an NCCL-only group, e.g. moe_ep.init_from_env with MOE_EP_DEVICE=cuda, has no CPU backend)."""
-    import torch
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "nccl" not in backend:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def collective_autotune(candidates: Sequence[Any], time_candidate: Callable[[Any], Sequence[float]], *,
-                        group=None, progress: bool = True, out=None) -> AutotuneResult:
+                        group=None, device=None, progress: bool = True, out=None) -> AutotuneResult:
     """`time_candidate(c)` builds candidate c and returns its timings in microseconds (any number of reps).
 
-    Without an initialised process group this is a one-rank tune.
+    Without an initialised process group this is a one-rank tune. `device`: where the group's collectives run,
+    the caller's RankContext.comm_device (None: CPU, a gloo group; an NCCL-only group needs its GPU).
     """
     import torch
     import torch.distributed as dist
@@ -84,7 +73,7 @@ def collective_autotune(candidates: Sequence[Any], time_candidate: Callable[[Any
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
     out = out or sys.stderr
-    dev = _comm_device(group) if distributed else None
+    dev = device
     if distributed:
         mine = torch.tensor([_digest(candidates), len(candidates)], dtype=torch.int64, device=dev)
         lo, hi = mine.clone(), mine.clone()

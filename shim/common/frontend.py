@@ -242,6 +242,7 @@ class MegaMoEFrontend(LayerGeometry):
         """
         t = x.shape[0]
         graphing = self.use_graphs and not self.compile_only and not _capturing()
+        key = None
         if graphing and out is not None:
             # The steady state first (an engine's static buffers): one dict lookup and the replay.
             key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
@@ -258,7 +259,8 @@ class MegaMoEFrontend(LayerGeometry):
         if out is None:
             out = torch.empty((t, self.hidden_size), dtype=torch.bfloat16, device=self.device)
         if graphing:
-            key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
+            if key is None:  # out was allocated just above
+                key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
             graph = self._graphs.get(key)
             if graph is None:
                 if key not in self._seen:

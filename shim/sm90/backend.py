@@ -23,7 +23,7 @@ class Sm90Backend(KernelBackend):
                                      build_check=tune.build_check(self.frontend_class(), self.spec, w))
         winner, self.autotune_result = tune.autotune(self.make_frontend, weights, fmt=self.fmt, spec=self.spec,
                                                      cache_key=self.knob_cache_key, world_size=w, candidates=cands,
-                                                     group=self.ctx.group)
+                                                     group=self.ctx.group, device=self.ctx.comm_device)
         return winner
 
 

@@ -197,7 +197,7 @@ def time_frontend(fe, inputs, iters: int = 30, quick: int = 5, cutoff_us: float 
 
 def autotune(make_frontend: Callable[[Sm90Knobs], object], weights, *, fmt: str, spec: MoESpec, cache_key: str,
              world_size: int = 1, candidates: Optional[Sequence[Sm90Knobs]] = None, cache: Optional[KnobCache] = None,
-             group=None, iters: int = 20, tokens: Optional[int] = None,
+             group=None, device=None, iters: int = 20, tokens: Optional[int] = None,
              progress: bool = True) -> Tuple[Sm90Knobs, AutotuneResult]:
     """knobs="auto": every rank times the same candidates (default: candidate_knobs) on a balanced synthetic
     routing at `tokens` (default: the capacity); the slowest rank decides; rank 0 writes the winner to the
@@ -215,7 +215,7 @@ def autotune(make_frontend: Callable[[Sm90Knobs], object], weights, *, fmt: str,
             fe.close()
 
     t0 = time.perf_counter()
-    result = collective_autotune(cands, time_candidate, group=group, progress=progress)
+    result = collective_autotune(cands, time_candidate, group=group, device=device, progress=progress)
     winner: Sm90Knobs = result.winner
     if cache is None:
         cache = KnobCache()
