@@ -1,5 +1,11 @@
 """String-keyed backend registry. Entries are lazy ("module:attr") so that registering a GPU backend
-imports nothing heavy; the module is imported only when a layer asks for that backend."""
+imports nothing heavy; the module is imported only when a layer asks for that backend.
+
+The kernel backends are rows of each arch's format table (shim/<arch>/formats.py), named here by lazy strings
+(`KERNEL_TABLES`) and read the first time the registry is asked anything (a listing, a lookup, a selection):
+`import moe_ep` imports nothing of shim, and a table imports no kernel. A table that is not installed (a build
+of moe_ep without the shim) contributes no entries, and lookups say so.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,18 @@ import importlib.util
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
-from moe_ep.core.errors import BackendNotFoundError, BackendUnavailableError, FormatError, RegistrationError
+from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, FormatError, MoEError,
+                                RegistrationError)
 from moe_ep.formats import check_format
 
 __all__ = ["BackendEntry", "BackendInfo", "register_backend", "unregister_backend", "get_entry", "resolve_backend",
-           "list_backends", "select_backend", "detect_arch"]
+           "list_backends", "select_backend", "detect_arch", "KERNEL_TABLES"]
+
+# Each kernel arch's format table ("module:attr" of a shim.common.formats.FormatTable; its registrations() are
+# register_backend's arguments). Order is selection order: an arch's first row is its default backend.
+KERNEL_TABLES = ("shim.sm90.formats:BACKENDS", "shim.sm100.formats:BACKENDS")
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,9 @@ class BackendEntry:
     arch: str
     formats: Tuple[str, ...]
     description: str = ""
+    # Why the backend cannot run here (None: it can), found without importing it; may raise a
+    # BackendUnavailableError of its own (a kernel tree that cannot be found or verified).
+    probe: Optional[Callable[[], Optional[str]]] = None
 
     @property
     def default_format(self) -> str:
@@ -34,17 +48,57 @@ class BackendEntry:
         return self.target.split(":", 1)[0] if isinstance(self.target, str) else None
 
 
-class BackendInfo(NamedTuple):
+class _Info(NamedTuple):
     arch: str
     formats: Tuple[str, ...]
     available: bool
 
 
+class BackendInfo(_Info):
+    """(arch, formats, available) as before, plus `reason`: why the backend cannot run here ("" when it can).
+    `reason` is an attribute, not a tuple field, so unpacking and comparing the triple keep working."""
+
+    def __new__(cls, arch: str, formats: Tuple[str, ...], available: bool, reason: str = ""):
+        self = super().__new__(cls, arch, formats, available)
+        self.reason = reason
+        return self
+
+    def __repr__(self):
+        return (f"BackendInfo(arch={self.arch!r}, formats={self.formats!r}, available={self.available!r}"
+                + (f", reason={self.reason!r})" if self.reason else ")"))
+
+
 _REGISTRY: Dict[str, BackendEntry] = {}
+_tables_read = False
+_tables_absent: List[str] = []  # what a lookup that finds nothing should mention
 
 
-def register_backend(name: str, target, *, arch: str, formats, description: str = "",
-                     replace: bool = False) -> BackendEntry:
+def _read_tables() -> None:
+    """Register every row of the installed kernel format tables (once, on the registry's first use)."""
+    global _tables_read
+    if _tables_read:
+        return
+    _tables_read = True
+    for spec in KERNEL_TABLES:
+        module, attr = spec.split(":", 1)
+        try:
+            table = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            if e.name and (module == e.name or module.startswith(e.name + ".")):
+                _tables_absent.append(f"{module} (not installed here)")
+                continue
+            raise
+        for row in table.registrations():
+            _add(**row, replace=False)
+
+
+def _entries() -> Dict[str, BackendEntry]:
+    _read_tables()
+    return _REGISTRY
+
+
+def _add(name: str, target, *, arch: str, formats, description: str = "", probe=None,
+         replace: bool = False) -> BackendEntry:
     if not isinstance(name, str) or not name:
         raise RegistrationError("name", f"expected a non-empty string, got {name!r}")
     if isinstance(target, str) and ":" not in target:
@@ -56,20 +110,32 @@ def register_backend(name: str, target, *, arch: str, formats, description: str 
         check_format(f, "formats")
     if name in _REGISTRY and not replace:
         raise RegistrationError("name", f"backend {name!r} is already registered (pass replace=True to override)")
-    entry = BackendEntry(name, target, arch, formats, description)
+    entry = BackendEntry(name, target, arch, formats, description, probe)
     _REGISTRY[name] = entry
     return entry
 
 
+def register_backend(name: str, target, *, arch: str, formats, description: str = "",
+                     probe: Optional[Callable[[], Optional[str]]] = None, replace: bool = False) -> BackendEntry:
+    """Register a backend class (or a lazy "module:attr" naming one) under `name` for `arch` and `formats` (the
+    first is its default). probe: returns why the backend cannot run here, or None; called by list_backends()
+    and before the class is imported, it must not import the backend."""
+    _read_tables()  # a name a table already holds is a clash, whatever the order of first use
+    return _add(name, target, arch=arch, formats=formats, description=description, probe=probe, replace=replace)
+
+
 def unregister_backend(name: str) -> None:
-    _REGISTRY.pop(name, None)
+    _entries().pop(name, None)
 
 
 def get_entry(name: str) -> BackendEntry:
+    entries = _entries()
     try:
-        return _REGISTRY[name]
+        return entries[name]
     except (KeyError, TypeError):
-        raise BackendNotFoundError("backend", f"unknown backend {name!r}; registered: {sorted(_REGISTRY)}") from None
+        absent = f"; kernel backend tables not found: {', '.join(_tables_absent)}" if _tables_absent else ""
+        raise BackendNotFoundError("backend", f"unknown backend {name!r}; registered: {sorted(entries)}"
+                                              f"{absent}") from None
 
 
 def _module_present(module: str) -> bool:
@@ -100,8 +166,13 @@ def _module_present(module: str) -> bool:
 
 
 def resolve_backend(name: str):
-    """The backend class for name, importing its module now. BackendUnavailableError says why it cannot."""
+    """The backend class for name, importing its module now. BackendUnavailableError says why it cannot (its
+    probe first: a kernel the pinned tree lacks is named before anything is imported)."""
     entry = get_entry(name)
+    if entry.probe is not None:
+        reason = entry.probe()
+        if reason:
+            raise BackendUnavailableError("backend", reason)
     if not isinstance(entry.target, str):
         return entry.target
     module, attr = entry.target.split(":", 1)
@@ -118,12 +189,26 @@ def resolve_backend(name: str):
         raise BackendUnavailableError("backend", f"{name!r}: module {module!r} has no attribute {attr!r}") from None
 
 
+def _unavailable(entry: BackendEntry) -> str:
+    """Why `entry` cannot run here ("" when it can), importing nothing of it."""
+    if entry.module is not None and not _module_present(entry.module):
+        return f"module {entry.module!r} is not installed here"
+    if entry.probe is None:
+        return ""
+    try:
+        return entry.probe() or ""
+    except MoEError as e:  # e.g. the kernel tree cannot be found or does not verify
+        return str(e)
+
+
 def list_backends() -> Dict[str, BackendInfo]:
-    """name -> (arch, formats, available): 'available' means the module can be found; nothing is imported."""
+    """name -> (arch, formats, available), with `.reason` when unavailable. A backend is available when its
+    module can be found and its probe finds what it needs (a kernel backend: its kernel module in the arch's
+    pinned tree); nothing of a backend is imported."""
     out = {}
-    for name, e in _REGISTRY.items():
-        available = True if e.module is None else _module_present(e.module)
-        out[name] = BackendInfo(e.arch, e.formats, available)
+    for name, e in _entries().items():
+        reason = _unavailable(e)
+        out[name] = BackendInfo(e.arch, e.formats, not reason, reason)
     return out
 
 
@@ -148,7 +233,7 @@ def select_backend(arch: str, fmt: Optional[str] = None, *, fallback: str = "tor
     asked for."""
     if fmt is not None:
         check_format(fmt)
-    for e in _REGISTRY.values():
+    for e in _entries().values():
         if e.arch != arch or (fmt is not None and fmt not in e.formats):
             continue
         if e.module is None or _module_present(e.module):
@@ -162,21 +247,7 @@ def select_backend(arch: str, fmt: Optional[str] = None, *, fallback: str = "tor
     return fb
 
 
-def _register_builtin() -> None:
-    register_backend("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
-                     formats=("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4"),
-                     description="exact EP semantics in torch over torch.distributed; the oracle")
-    # Kernel backends live beside the shim that drives them; named here by lazy strings only, so moe_ep imports
-    # nothing of shim/ and a CPU host never loads a kernel tree.
-    register_backend("sm90_fp8_cutedsl", "shim.sm90.backend:Sm90Fp8Backend", arch="sm90",
-                     formats=("fp8_block",), description="Hopper FP8 MegaMoE, blockwise scales (CuTe DSL)")
-    register_backend("sm90_bf16_cutedsl", "shim.sm90.backend:Sm90Bf16Backend", arch="sm90",
-                     formats=("bf16",), description="Hopper BF16 MegaMoE (CuTe DSL)")
-    register_backend("sm100_nvfp4_cutedsl", "shim.sm100.backend:Sm100Nvfp4Backend", arch="sm100",
-                     formats=("nvfp4",), description="Blackwell NVFP4 MegaMoE (CuTe DSL)")
-    register_backend("sm100_mxfp8_cutedsl", "shim.sm100.backend:Sm100Mxfp8Backend", arch="sm100",
-                     formats=("mxfp8",), description="Blackwell MXFP8 MegaMoE (CuTe DSL)")
-    register_backend("sm100_bf16_cutedsl", "shim.sm100.backend:Sm100Bf16Backend", arch="sm100",
-                     formats=("bf16",), description="Blackwell BF16 MegaMoE (CuTe DSL)")
-
-_register_builtin()
+# The torch reference is moe_ep's own; the kernel backends come from the format tables (KERNEL_TABLES).
+_add("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
+     formats=("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4"),
+     description="exact EP semantics in torch over torch.distributed; the oracle")

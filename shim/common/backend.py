@@ -2,50 +2,45 @@
 
 At load (prepare_weights) the backend resolves its knob set once -- explicit > the knob cache > the drop's
 heuristic, or a collective tune for knobs="auto" -- and only then builds its one frontend (one workspace),
-lays out the weights and compiles. The arch modules (shim/sm90/backend.py, shim/sm100/backend.py) say which
-frontend serves each format, which geometry rules apply (shim/<arch>/limits.py) and how knobs resolve.
-moe_ep's registry names these classes by lazy strings; moe_ep never imports shim.
+lays out the weights and compiles. What a backend serves is one row of its arch's format table
+(shim/<arch>/formats.py): the arch module (shim/sm90/backend.py, shim/sm100/backend.py) defines the arch's class
+(knobs, autotune) and generates one subclass per row (`KernelBackend.row_classes`), named as the row's `target`
+names it; moe_ep's registry resolves them by those lazy strings. moe_ep never imports shim.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import ClassVar, List, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 from moe_ep.core.backend import Backend
 from moe_ep.core.weights import ExpertWeights
 from moe_ep.formats import QuantizedActivation, QuantizedWeights
+from shim.common.formats import FormatTable, KernelFormat
 from shim.common.knob_cache import KnobCache, cache_key
 
-__all__ = ["KernelBackend", "compile_only_frontend", "size_violations"]
-
-
-def size_violations(arch: str, limits: ModuleType, fmt: str, *, hidden: int, intermediate: int,
-                    top_k: int) -> List[Tuple[str, str]]:
-    """(argument, message) for each size the `arch` kernel of `fmt` cannot serve under `limits` (shim/<arch>/
-    limits.py: FORMATS, FORMAT_MULTIPLE, MAX_TOP_K); empty when it can.
-
-    `intermediate` is moe_ep's I (the down projection's K); the kernels' FC1 width is 2I.
-    """
-    if fmt not in limits.FORMAT_MULTIPLE:
-        return [("fmt", f"the {arch} kernels serve {list(limits.FORMATS)}, got {fmt!r}")]
-    h_mult, i_mult = limits.FORMAT_MULTIPLE[fmt]
-    out = []
-    if hidden % h_mult:
-        out.append(("hidden_size", f"must be a multiple of {h_mult} for the {arch} {fmt} kernel, got {hidden}"))
-    if intermediate % i_mult:
-        out.append(("intermediate_size",
-                    f"must be a multiple of {i_mult} for the {arch} {fmt} kernel, got {intermediate}"))
-    if not 1 <= top_k <= limits.MAX_TOP_K:
-        out.append(("top_k", f"must be in [1, {limits.MAX_TOP_K}] for the {arch} kernels' dispatch, got {top_k}"))
-    return out
+__all__ = ["KernelBackend", "compile_only_frontend"]
 
 
 class KernelBackend(Backend):
-    # Set by each arch: its limits module (the geometry rules size_violations applies) and knobs module
-    # (resolve_knobs, the knob type).
-    limits: ClassVar[ModuleType]
+    # Set by each arch: its format table and knobs module (resolve_knobs, the knob type).
+    table: ClassVar[FormatTable]
     knobs_module: ClassVar[ModuleType]
+    # Set on each generated row class: the row it serves.
+    format: ClassVar[KernelFormat]
+
+    @classmethod
+    def row_classes(cls) -> Dict[str, type]:
+        """One subclass of this arch class per row of its table, by class name (the row's `target`): what the
+        arch module binds at import, so that "shim.<arch>.backend:<Class>" resolves."""
+        out = {}
+        for row in cls.table:
+            module, name = row.target.split(":", 1)
+            if module != cls.__module__:
+                raise ValueError(f"row {row.backend!r} targets {row.target!r}, outside {cls.__module__}")
+            out[name] = type(name, (cls,), dict(__module__=module, __qualname__=name, __doc__=row.description,
+                                                name=row.backend, format=row, weight_formats=(row.fmt,)))
+        return out
 
     def __init__(self, spec, ctx, fmt: Optional[str] = None, *, knobs=None, max_active_clusters=None,
                  knob_cache_key: Optional[str] = None, internal_graphs: bool = True):
@@ -67,13 +62,14 @@ class KernelBackend(Backend):
 
     @classmethod
     def check_spec(cls, spec, fmt: str, world_size: int) -> List[Tuple[str, str]]:
-        return list(super().check_spec(spec, fmt, world_size)) + size_violations(
-            cls.arch, cls.limits, fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size, top_k=spec.top_k)
+        """The format's own size rules (moe_ep.formats), then the kernel's (its row)."""
+        return list(super().check_spec(spec, fmt, world_size)) + cls.format.size_violations(
+            hidden=spec.hidden_size, intermediate=spec.intermediate_size, top_k=spec.top_k)
 
     # -- per arch / format -----------------------------------------------------------------------------------
-    @staticmethod
-    def frontend_class():
-        raise NotImplementedError
+    @classmethod
+    def frontend_class(cls):
+        return cls.format.frontend_class()
 
     def autotune(self, weights: ExpertWeights):
         """knobs="auto" with no cache entry: a collective tune returning the winning knob set."""
@@ -157,7 +153,10 @@ def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=Non
     from moe_ep.core.registry import resolve_backend
 
     cls = resolve_backend(backend) if isinstance(backend, str) else backend
-    fmt = fmt or cls.weight_formats[0]
+    fmt = fmt or cls.format.fmt
+    if fmt != cls.format.fmt:
+        raise SpecError("fmt", f"the {cls.arch} kernels serve {list(cls.table.fmts)}; {cls.name!r} serves "
+                               f"{cls.format.fmt!r}, got {fmt!r}")
     problems = cls.check_spec(spec, fmt, world_size)
     if problems:
         argument, message = problems[0]

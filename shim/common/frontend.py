@@ -6,7 +6,7 @@ process's workspace (shim/common/workspace.py: the staging buffers, the kernel's
 memory are shared by every layer), compiles once (process-wide cache by compile key) and launches. Format frontends say which
 kernel class and constructor arguments, which peer-read input buffers and how to stage bf16 activations into
 them, and how weights are laid out (shim/<arch>/<format>_frontend.py). The layer has validated every input
-and the spec (shim/<arch>/limits.py) before a frontend sees them, so frontends do not check them again.
+and the spec (its row of shim/<arch>/formats.py) before a frontend sees them, so frontends do not check them again.
 
 Launch policy below capacity (measured on an H200 with the Hopper FP8 kernel, drop 0.7.2.post1; see
 docs/shim.md): inputs are passed capacity-sized, spare rows carrying expert id -1, which dispatch skips; the

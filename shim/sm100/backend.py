@@ -1,5 +1,6 @@
-"""The Blackwell kernel backends moe_ep registers (by lazy string): `sm100_nvfp4_cutedsl`,
-`sm100_mxfp8_cutedsl` and `sm100_bf16_cutedsl`, each over its format's frontend.
+"""The Blackwell kernel backends moe_ep registers (by lazy string): one class per row of shim/sm100/formats.py
+(`sm100_nvfp4_cutedsl` -> Sm100Nvfp4Backend, `sm100_mxfp8_cutedsl`, `sm100_bf16_cutedsl`), each over its row's
+frontend.
 
 NVFP4 scales activations statically: the FC1-input and FC2-input global scales come from the calibrated
 ExpertWeights.act_amax / fc2_act_amax, which the layer requires for the format (CalibrationError without).
@@ -15,14 +16,12 @@ from moe_ep.core.errors import BackendUnavailableError
 from moe_ep.core.registry import detect_arch
 from shim.common.backend import KernelBackend
 from shim.sm100 import knobs as sm100_knobs
-from shim.sm100 import limits as sm100_limits
-
-__all__ = ["Sm100Backend", "Sm100Nvfp4Backend", "Sm100Mxfp8Backend", "Sm100Bf16Backend"]
+from shim.sm100.formats import BACKENDS
 
 
 class Sm100Backend(KernelBackend):
     arch = "sm100"
-    limits = sm100_limits
+    table = BACKENDS
     knobs_module = sm100_knobs
 
     def __init__(self, spec, ctx, fmt=None, **options):
@@ -43,34 +42,7 @@ class Sm100Backend(KernelBackend):
         return knobs
 
 
-class Sm100Nvfp4Backend(Sm100Backend):
-    name = "sm100_nvfp4_cutedsl"
-    weight_formats = ("nvfp4",)
-
-    @staticmethod
-    def frontend_class():
-        from shim.sm100.nvfp4_frontend import Sm100Nvfp4Frontend
-
-        return Sm100Nvfp4Frontend
-
-
-class Sm100Mxfp8Backend(Sm100Backend):
-    name = "sm100_mxfp8_cutedsl"
-    weight_formats = ("mxfp8",)
-
-    @staticmethod
-    def frontend_class():
-        from shim.sm100.mxfp8_frontend import Sm100Mxfp8Frontend
-
-        return Sm100Mxfp8Frontend
-
-
-class Sm100Bf16Backend(Sm100Backend):
-    name = "sm100_bf16_cutedsl"
-    weight_formats = ("bf16",)
-
-    @staticmethod
-    def frontend_class():
-        from shim.sm100.bf16_frontend import Sm100Bf16Frontend
-
-        return Sm100Bf16Frontend
+# Sm100Nvfp4Backend, Sm100Mxfp8Backend, Sm100Bf16Backend: the names the table's `target` strings give.
+ROW_CLASSES = Sm100Backend.row_classes()
+globals().update(ROW_CLASSES)
+__all__ = ["Sm100Backend", "ROW_CLASSES", *ROW_CLASSES]

@@ -25,7 +25,8 @@ from moe_ep.core.errors import BackendUnavailableError
 from shim.common.cute_args import ArgBuilder
 from shim.common.frontend import MegaMoEFrontend
 from shim.sm100 import weights as sm100_weights
-from shim.sm100.knobs import IKR_KWARG, InvalidKnobsError, Sm100Knobs
+from shim.sm100.formats import BACKENDS
+from shim.sm100.knobs import InvalidKnobsError, Sm100Knobs
 from shim.sm100.weights import GATE_UP_INTERLEAVE, SCALE_BLOCK, round_up
 
 __all__ = ["B200_SM_COUNT", "Sm100Frontend", "BlockScaledFrontend", "tensor_workspaces"]
@@ -74,7 +75,7 @@ class Sm100Frontend(MegaMoEFrontend):
             flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp,
             # The kernel's own TopkReduce writes output_activation (without the in-kernel reduce).
             skip_topk_reduce=False,
-            **{IKR_KWARG[self.fmt]: knobs.fc2_in_kernel_topk_reduce},
+            **{BACKENDS.row(self.fmt).reduce_kwarg: knobs.fc2_in_kernel_topk_reduce},
         )
 
     def kernel_class(self):

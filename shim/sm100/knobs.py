@@ -28,15 +28,13 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from shim.common.knobs import InvalidKnobsError, KnobSet, resolve_knob_set
+from shim.sm100.formats import BACKENDS
 
-__all__ = ["KNOB_SPACE", "KERNEL_CLASS", "IKR_KWARG", "CORRECTNESS_KNOBS", "PERF_KNOBS", "Sm100Knobs",
+__all__ = ["KNOB_SPACE", "KERNEL_CLASS", "CORRECTNESS_KNOBS", "PERF_KNOBS", "Sm100Knobs",
            "InvalidKnobsError", "heuristic_knobs", "resolve_knobs", "perf_candidates"]
 
-# moe_ep format -> the drop's kernel class.
-KERNEL_CLASS = {"nvfp4": "Sm100MegaMoEKernel", "mxfp8": "Sm100MegaMoEMxfp8Kernel", "bf16": "Sm100MegaMoEBf16Kernel"}
-# The in-kernel fc2 top-k reduce is spelled differently by the NVFP4 constructor.
-IKR_KWARG = {"nvfp4": "in_kernel_fc2_reduce", "mxfp8": "fc2_in_kernel_topk_reduce",
-             "bf16": "fc2_in_kernel_topk_reduce"}
+# moe_ep format -> the KNOB_SPACE entry (the drop's kernel class) its knob sets draw from. From the format table.
+KERNEL_CLASS = {row.fmt: row.knob_space for row in BACKENDS}
 
 # The value sets the tuner draws from, by the kernel constructor parameter they
 # feed. Literal on purpose: `tools/drop audit` checks it against the drop by AST.
@@ -124,7 +122,7 @@ class Sm100Knobs(KnobSet):
         for name in ("mma_tiler_mnk", "cluster_shape_mnk", "token_back_mode", "fc2_in_kernel_topk_reduce",
                      "load_balance_mode", "flag_batch", "epi_flag_batch"):
             value = getattr(self, name)
-            allowed = space[IKR_KWARG[fmt] if name == "fc2_in_kernel_topk_reduce" else name]
+            allowed = space[BACKENDS.row(fmt).reduce_kwarg if name == "fc2_in_kernel_topk_reduce" else name]
             if value not in allowed:
                 raise InvalidKnobsError(name, f"{value!r} is not one of {allowed} for the {fmt} kernel")
         if self.group_hint is not None and (isinstance(self.group_hint, bool) or not isinstance(self.group_hint, int)

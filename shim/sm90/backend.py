@@ -1,18 +1,17 @@
-"""The Hopper kernel backends moe_ep registers (by lazy string): `sm90_fp8_cutedsl` (FP8, blockwise scales)
-and `sm90_bf16_cutedsl` (BF16, drop 0.7.4+), each over its format's frontend."""
+"""The Hopper kernel backends moe_ep registers (by lazy string): one class per row of shim/sm90/formats.py
+(`sm90_fp8_cutedsl` -> Sm90Fp8Backend, `sm90_bf16_cutedsl` -> Sm90Bf16Backend, ...), each over its row's
+frontend."""
 
 from __future__ import annotations
 
 from shim.common.backend import KernelBackend
 from shim.sm90 import knobs as sm90_knobs
-from shim.sm90 import limits as sm90_limits
-
-__all__ = ["Sm90Backend", "Sm90Fp8Backend", "Sm90Bf16Backend"]
+from shim.sm90.formats import BACKENDS
 
 
 class Sm90Backend(KernelBackend):
     arch = "sm90"
-    limits = sm90_limits
+    table = BACKENDS
     knobs_module = sm90_knobs
 
     def autotune(self, weights):
@@ -27,23 +26,7 @@ class Sm90Backend(KernelBackend):
         return winner
 
 
-class Sm90Fp8Backend(Sm90Backend):
-    name = "sm90_fp8_cutedsl"
-    weight_formats = ("fp8_block",)
-
-    @staticmethod
-    def frontend_class():
-        from shim.sm90.fp8_frontend import Sm90Fp8Frontend
-
-        return Sm90Fp8Frontend
-
-
-class Sm90Bf16Backend(Sm90Backend):
-    name = "sm90_bf16_cutedsl"
-    weight_formats = ("bf16",)
-
-    @staticmethod
-    def frontend_class():
-        from shim.sm90.bf16_frontend import Sm90Bf16Frontend
-
-        return Sm90Bf16Frontend
+# Sm90Fp8Backend, Sm90Bf16Backend, ...: the names the table's `target` strings give.
+ROW_CLASSES = Sm90Backend.row_classes()
+globals().update(ROW_CLASSES)
+__all__ = ["Sm90Backend", "ROW_CLASSES", *ROW_CLASSES]

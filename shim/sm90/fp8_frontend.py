@@ -19,7 +19,8 @@ from moe_ep.formats import QuantizedActivation, codecs
 from shim.sm90 import fp8_staging
 from shim.sm90 import weights as sm90_weights
 from shim.sm90.frontend import Sm90Frontend
-from shim.sm90.knobs import SCALE_MODES, Sm90Knobs
+from shim.sm90.formats import BACKENDS
+from shim.sm90.knobs import Sm90Knobs
 
 __all__ = ["Sm90Fp8Frontend"]
 
@@ -46,7 +47,7 @@ class Sm90Fp8Frontend(Sm90Frontend):
 
         ks = self.symbols()
         return dict(sf_padding_block=ks.SfPaddingBlock, ab_dtype=cutlass.Float8E4M3FN,
-                    sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=SCALE_MODES[self.fmt],
+                    sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=BACKENDS.row(self.fmt).scale_mode,
                     fp8_accum_mode=knobs.accum_mode)
 
     def input_buffers(self):

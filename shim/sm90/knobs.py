@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from shim.common.knobs import InvalidKnobsError, KnobSet, resolve_knob_set
+from shim.sm90.formats import BACKENDS
 
 __all__ = ["KNOB_SPACE", "KERNEL_CLASS", "CORRECTNESS_KNOBS", "PERF_KNOBS", "Sm90Knobs", "InvalidKnobsError",
-           "heuristic_knobs", "resolve_knobs", "SCALE_MODES"]
+           "heuristic_knobs", "resolve_knobs"]
 
-# moe_ep format -> the drop's kernel class (its plain variant; the swap-AB one is chosen by the swap_ab knob).
-KERNEL_CLASS = {"fp8_block": "Sm90MegaMoEFp8Kernel", "bf16": "Sm90MegaMoEBf16Kernel"}
-# The FP8 kernel's scale-mode argument for each FP8 format moe_ep serves.
-SCALE_MODES = {"fp8_block": "blockwise"}
+# moe_ep format -> the KNOB_SPACE entry its knob sets draw from (the row's plain kernel class; the swap-AB one is
+# chosen by the swap_ab knob). From the format table.
+KERNEL_CLASS = {row.fmt: row.knob_space for row in BACKENDS}
 
 # The value sets the tuner draws from, by the kernel constructor parameter they
 # feed. Literal on purpose: `tools/drop audit` checks it against the drop by AST.
@@ -130,7 +130,7 @@ def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm90Knobs:
         c = ks.select_bf16_heuristic_config(max(1, max_tokens_per_rank)).config
         accum = "1xacc"
     else:
-        c = ks.select_heuristic_config(SCALE_MODES[fmt], max(1, max_tokens_per_rank)).config
+        c = ks.select_heuristic_config(BACKENDS.row(fmt).scale_mode, max(1, max_tokens_per_rank)).config
         accum = c.accum_mode
     return Sm90Knobs(
         swap_ab=bool(c.swap_ab), mma_tiler_mnk=tuple(c.mma_tiler_mnk), cluster_shape_mnk=tuple(c.cluster_shape_mnk),

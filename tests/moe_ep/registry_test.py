@@ -25,15 +25,20 @@ def scratch_names():
         registry.unregister_backend(n)
 
 
-def test_list_backends_describes_every_entry_without_importing():
+def test_list_backends_describes_every_entry_without_importing_a_backend():
+    """The kernel backends come from the shim's format tables, read by lazy string: listing imports those tables
+    (and the tree resolution their availability asks), never a backend, a frontend, cutlass or a kernel."""
     before = set(sys.modules)
     info = moe_ep.list_backends()
     assert info["torch_reference"] == ("cpu", tuple(moe_ep.FORMATS), True)
+    assert info["torch_reference"].reason == ""
     for name, (arch, formats) in KERNEL_BACKENDS.items():
         assert (info[name].arch, info[name].formats) == (arch, formats)
-        assert isinstance(info[name].available, bool)
+        assert isinstance(info[name].available, bool) and info[name].available == (not info[name].reason)
     new = set(sys.modules) - before
-    assert not any(m.startswith("shim") or m == "cutlass" for m in new), new
+    allowed = {"shim", "shim.common", "shim.common.formats", "shim.common.tree", "shim.common.integrity",
+               "shim.sm90", "shim.sm90.formats", "shim.sm100", "shim.sm100.formats"}
+    assert not [m for m in new if m.startswith("shim") and m not in allowed or m.split(".")[0] == "cutlass"], new
 
 
 def test_unknown_backend_lists_the_valid_names():
@@ -46,7 +51,10 @@ def test_unknown_backend_lists_the_valid_names():
 def test_absent_module_is_unavailable_with_reason(scratch_names):
     registry.register_backend("t_absent", "moe_ep_no_such_pkg.mod:Cls", arch="sm100", formats=("nvfp4",))
     scratch_names.append("t_absent")
-    assert moe_ep.list_backends()["t_absent"].available is False
+    info = moe_ep.list_backends()["t_absent"]
+    assert info.available is False and "moe_ep_no_such_pkg.mod" in info.reason
+    arch, formats, available = info  # still the (arch, formats, available) triple
+    assert (arch, formats, available) == ("sm100", ("nvfp4",), False)
     with pytest.raises(moe_ep.BackendUnavailableError) as e:
         registry.resolve_backend("t_absent")
     assert "moe_ep_no_such_pkg.mod" in str(e.value) and "not installed" in str(e.value)
@@ -68,6 +76,39 @@ def test_import_failure_is_unavailable_with_reason(tmp_path, monkeypatch, scratc
     assert registry.resolve_backend("t_ok").__name__ == "B"
 
 
+def test_a_probe_decides_availability_and_resolution(scratch_names):
+    """A probe says why a backend cannot run here without importing it: list_backends() shows the reason and
+    resolving the backend (what a layer does first) raises it, typed, before anything is imported."""
+    calls = []
+
+    def probe():
+        calls.append(1)
+        return "needs the kernel module k.m, which the tree lacks"
+
+    registry.register_backend("t_probed2", moe_ep.Backend, arch="sm90", formats=("bf16",), probe=probe)
+    scratch_names.append("t_probed2")
+    info = moe_ep.list_backends()["t_probed2"]
+    assert info.available is False and info.reason == probe()
+    with pytest.raises(moe_ep.BackendUnavailableError, match="k.m") as e:
+        registry.resolve_backend("t_probed2")
+    assert e.value.argument == "backend" and calls
+    registry.register_backend("t_probed2", moe_ep.Backend, arch="sm90", formats=("bf16",), probe=lambda: None,
+                              replace=True)
+    assert moe_ep.list_backends()["t_probed2"].available and registry.resolve_backend("t_probed2") is moe_ep.Backend
+
+
+def test_a_missing_format_table_is_named_by_a_failed_lookup(monkeypatch):
+    """A build of moe_ep without the shim has no kernel backend tables: the registry still works, and a lookup of
+    an unknown name says which tables were not found."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(torch_reference=registry.get_entry("torch_reference")))
+    monkeypatch.setattr(registry, "_tables_read", False)
+    monkeypatch.setattr(registry, "_tables_absent", [])
+    monkeypatch.setattr(registry, "KERNEL_TABLES", ("moe_ep_no_such_shim.formats:BACKENDS",))
+    assert set(moe_ep.list_backends()) == {"torch_reference"}
+    with pytest.raises(moe_ep.BackendNotFoundError, match="moe_ep_no_such_shim.formats"):
+        registry.get_entry("sm90_fp8_cutedsl")
+
+
 def test_register_rejects_bad_entries(scratch_names):
     with pytest.raises(moe_ep.FormatError) as e:
         registry.register_backend("t_bad", "a.b:C", arch="cpu", formats=("fp6",))
@@ -78,6 +119,8 @@ def test_register_rejects_bad_entries(scratch_names):
     with pytest.raises(moe_ep.RegistrationError, match="already registered") as e:
         registry.register_backend("torch_reference", "a.b:C", arch="cpu", formats=("bf16",))
     assert e.value.argument == "name"
+    with pytest.raises(moe_ep.RegistrationError, match="already registered"):  # a format table's row, too
+        registry.register_backend("sm90_fp8_cutedsl", "a.b:C", arch="sm90", formats=("bf16",))
     with pytest.raises(moe_ep.RegistrationError) as e:
         registry.register_backend("t_bad", "a.b:C", arch="cpu", formats=())
     assert e.value.argument == "formats"

@@ -4,7 +4,10 @@ Everything is read by AST from the live checkout; nothing is imported and no shi
 assumed:
 
   * the backends come from the registry literal (`register_backend("name", "module:Attr",
-    arch=..., formats=(...))` calls in moe_ep/core/registry.py);
+    arch=..., formats=(...))` calls in moe_ep/core/registry.py) and from the rows of the kernel
+    format tables the registry derives its kernel backends from (`KernelFormat(backend=...,
+    arch=..., fmt=..., target="module:Attr", frontend="module:Attr")` in shim/<arch>/formats.py):
+    a row is followed from its backend class and from its frontend class;
   * each backend is followed from its class through the repository's own modules: a *unit* is a
     top-level class (all its methods), a top-level function, a module-level variable, or a
     module's import-time code. A unit reaches the units its code names (through imports,
@@ -46,9 +49,11 @@ __all__ = [
     "KernelUse",
     "ShimModel",
     "read_registry",
+    "read_format_tables",
 ]
 
 REGISTRY_PATH = "moe_ep/core/registry.py"
+FORMAT_TABLES = "shim/*/formats.py"
 _OVERLAP = 2.0 / 3.0
 
 Pair = Tuple[str, str]  # (backend name, format)
@@ -62,6 +67,7 @@ class Backend:
     arch: str
     formats: Tuple[str, ...]
     lineno: int = 0
+    also: Tuple[str, ...] = ()  # further "module:Attr" units the backend runs (a format table row's frontend)
 
     def pairs(self) -> List[Pair]:
         return [(self.name, f) for f in self.formats]
@@ -77,7 +83,8 @@ def _literal(node: Optional[ast.AST]):
 
 
 def read_registry(repo_root: Path, path: str = REGISTRY_PATH) -> List[Backend]:
-    """Every `register_backend(...)` call with literal arguments in the registry module."""
+    """Every `register_backend(...)` call with literal arguments in the registry module, then every
+    `KernelFormat(...)` row with literal arguments in the format tables."""
     file = Path(repo_root) / path
     if not file.is_file():
         return []
@@ -103,6 +110,28 @@ def read_registry(repo_root: Path, path: str = REGISTRY_PATH) -> List[Backend]:
             continue
         module, attr = target.split(":", 1)
         out.append(Backend(name, module, attr, arch, tuple(formats), node.lineno))
+    return out + read_format_tables(repo_root)
+
+
+def read_format_tables(repo_root: Path) -> List[Backend]:
+    """The rows of shim/<arch>/formats.py: `KernelFormat(...)` calls whose backend, arch, fmt, target and
+    frontend are literals."""
+    out: List[Backend] = []
+    for file in sorted(Path(repo_root).glob(FORMAT_TABLES)):
+        tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) != "KernelFormat":
+                continue
+            kw = {k.arg: _literal(k.value) for k in node.keywords if k.arg}
+            fields = [kw.get(k) for k in ("backend", "arch", "fmt", "target", "frontend")]
+            if not all(isinstance(v, str) for v in fields) or ":" not in fields[3] or ":" not in fields[4]:
+                continue
+            name, arch, fmt, target, frontend = fields
+            module, attr = target.split(":", 1)
+            out.append(Backend(name, module, attr, arch, (fmt,), node.lineno, (frontend,)))
     return out
 
 
@@ -448,6 +477,7 @@ class ShimModel:
         fmt = pair[1]
         seen: Set[str] = set()
         work = [self.unit_id(backend.module, backend.attr)]
+        work += [self.unit_id(*u.split(":", 1)) for u in backend.also]
         while work:
             unit = work.pop()
             if unit in seen:

@@ -56,10 +56,9 @@ def _init_worker(lock, best) -> None:
 
 
 def _frontend_cls(fmt: str):
-    from shim.common.backend import KernelBackend  # noqa: F401  (the tree guard, via shim)
-    from shim.sm90.backend import Sm90Bf16Backend, Sm90Fp8Backend
+    from shim.sm90.formats import BACKENDS
 
-    return (Sm90Fp8Backend if fmt == "fp8_block" else Sm90Bf16Backend).frontend_class()
+    return BACKENDS.row(fmt).frontend_class()
 
 
 def _weights_for(model: str, fmt: str, capacity: int):
@@ -476,10 +475,12 @@ def _check_collective_winner(moe_ep, spec, weights, fmt: str, knobs, ctx) -> Dic
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from shim.sm90.formats import BACKENDS
+
     ap = argparse.ArgumentParser(prog="python -m tools.tune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["dsv3"])
-    ap.add_argument("--fmt", default="fp8_block", choices=("fp8_block", "bf16"))
+    ap.add_argument("--fmt", default="fp8_block", choices=BACKENDS.fmts)
     ap.add_argument("--capacities", nargs="+", type=int, default=[8, 32, 128, 512, 2048, 4096])
     ap.add_argument("--table", default=str(DEFAULT_TABLE))
     ap.add_argument("--workers", type=int, default=0, help="compile workers (default: cores - 2, at most 14)")

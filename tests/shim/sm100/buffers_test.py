@@ -128,18 +128,23 @@ def test_staged_activations_are_the_reference_quantization(fmt):
     ("fp8_block", {}, "fmt", "the sm100 kernels serve"),
 ])
 def test_bad_geometry_names_the_argument_before_anything_is_built(fmt, change, argument, message):
-    """The backend's rules (shim/sm100/limits.py), asked as the layer asks them, before any kernel object."""
+    """The backend's rules (its row of shim/sm100/formats.py), asked as the layer asks them, before any kernel
+    object."""
     with pytest.raises(moe_ep.SpecError, match=message) as err:
         _frontend(fmt, **change)
     assert err.value.argument == argument
 
 
 def test_the_mxfp8_hidden_rule_is_the_drops_own(monkeypatch):
-    """limits.py asks H % 128 for MXFP8 because the drop's kernel refuses anything else (its column requant)."""
-    from shim.sm100 import limits
+    """The format table asks H % 128 for MXFP8 because the drop's kernel refuses anything else (its column
+    requant): with the rule relaxed, the kernel's own constructor refuses."""
+    import dataclasses
+
+    from shim.sm100.backend import Sm100Mxfp8Backend
     from shim.sm100.knobs import InvalidKnobsError
 
-    monkeypatch.setitem(limits.FORMAT_MULTIPLE, "mxfp8", (64, 64))
+    relaxed = dataclasses.replace(Sm100Mxfp8Backend.format, hidden_multiple=64)
+    monkeypatch.setattr(Sm100Mxfp8Backend, "format", relaxed)
     with pytest.raises(InvalidKnobsError, match="hidden=448 is not supported") as err:
         _frontend("mxfp8", hidden=448)
     assert isinstance(err.value, moe_ep.KnobError)
