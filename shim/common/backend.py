@@ -1,28 +1,70 @@
 """What every kernel backend does, whatever the tree: the moe_ep.Backend contract over one shim frontend.
 
-At load (prepare_weights) the backend resolves its knob set once -- explicit > the knob cache > the drop's
-heuristic, or a collective tune for knobs="auto" -- and only then builds its one frontend (one workspace),
-lays out the weights and compiles. What a backend serves is one row of its arch's format table
-(shim/<arch>/formats.py): the arch module (shim/sm90/backend.py, shim/sm100/backend.py) defines the arch's class
-(knobs, autotune) and generates one subclass per row (`KernelBackend.row_classes`), named as the row's `target`
-names it; moe_ep's registry resolves them by those lazy strings. moe_ep never imports shim.
+A backend serves one row of its arch's format table (shim/<arch>/formats.py). The arch module
+(shim/sm90/backend.py, shim/sm100/backend.py) defines the arch's class (its table, knobs module and autotune) and
+generates one subclass per row (`KernelBackend.row_classes`), named as the row's `target` names it; moe_ep's
+registry resolves them by those lazy strings. moe_ep never imports shim.
+
+The phases, each a final composer (shim/common/phases.py: an arch class cannot replace one by accident):
+  validate   __init__: the one device/arch guard (`check_target`, the same for every arch); the spec was checked
+             against the row before (check_spec, asked by the layer)
+  weights    prepare_weights: the knob set resolved once (explicit > knob cache > shipped table > heuristic, or a
+             collective tune for knobs="auto" on a miss), then its one frontend (one workspace), the weights laid
+             out and the kernel compiled
+  forward    the frontend's forward (its stage and launch phases, its internal graphs: shim/common/frontend.py)
+  oracle     oracle_weights / staged_activation, read back from what the kernel was handed
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import ClassVar, Dict, List, Optional, Tuple
 
 from moe_ep.core.backend import Backend
+from moe_ep.core.errors import BackendUnavailableError
+from moe_ep.core.spec import LayerGeometry
 from moe_ep.core.weights import ExpertWeights
 from moe_ep.formats import QuantizedActivation, QuantizedWeights
 from shim.common.formats import FormatTable, KernelFormat
 from shim.common.knob_cache import KnobCache, cache_key
+from shim.common.phases import Composed, final
 
-__all__ = ["KernelBackend", "compile_only_frontend"]
+__all__ = ["KernelBackend", "check_target", "compile_only_frontend"]
 
 
-class KernelBackend(Backend):
+def check_target(table: FormatTable, device=None) -> None:
+    """The one device guard of the kernel backends: a layer's device must be a GPU of the table's arch; a compile
+    without one (device None) needs CUTE_DSL_ARCH naming that arch (or such a GPU on this host).
+    BackendUnavailableError naming the device (or the variable) otherwise."""
+    import torch
+
+    from moe_ep.core.registry import detect_arch
+
+    arch, gpu = table.arch, f"a {table.gpu} ({table.arch})"
+    if device is None:
+        target = os.environ.get("CUTE_DSL_ARCH", "")
+        here = not target and torch.cuda.is_available() and detect_arch() == arch
+        if not (target.startswith(table.cute_targets) or here):
+            raise BackendUnavailableError(
+                "CUTE_DSL_ARCH", f"a compile-only {arch} build targets {table.cute_targets[0]}a: set "
+                f"CUTE_DSL_ARCH={table.cute_targets[0]}a in the environment before cutlass is imported "
+                f"(it is {target or 'unset'})")
+        return
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("device", f"the {arch} MegaMoE kernels need {gpu} GPU; this host has no CUDA "
+                                                f"device (compile without one: CUTE_DSL_ARCH={table.cute_targets[0]}a)")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise BackendUnavailableError("device", f"the {arch} MegaMoE kernels need {gpu} GPU; the layer's device is "
+                                                f"{device}")
+    if detect_arch(device) != arch:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise BackendUnavailableError("device", f"the {arch} MegaMoE kernels need {gpu} GPU; {device} is "
+                                                f"sm_{major}{minor}")
+
+
+class KernelBackend(Composed, LayerGeometry, Backend):
     # Set by each arch: its format table and knobs module (resolve_knobs, the knob type).
     table: ClassVar[FormatTable]
     knobs_module: ClassVar[ModuleType]
@@ -42,18 +84,21 @@ class KernelBackend(Backend):
                                                 name=row.backend, format=row, weight_formats=(row.fmt,)))
         return out
 
+    # -- validate ----------------------------------------------------------------------------------------------
+    @final
     def __init__(self, spec, ctx, fmt: Optional[str] = None, *, knobs=None, max_active_clusters=None,
                  knob_cache_key: Optional[str] = None, internal_graphs: bool = True):
         """Backend options (MoELayer(..., **options)): knobs (None | dict | knob set | "auto"),
         max_active_clusters (default: the device's), knob_cache_key (default: the geometry's key),
-        internal_graphs (one CUDA graph per token count, on by default: see shim/common/frontend.py)."""
+        internal_graphs (one CUDA graph per token count, on by default: see shim/common/graph_cache.py)."""
         super().__init__(spec, ctx, fmt)
+        check_target(self.table, ctx.device)
         self._internal_graphs = bool(internal_graphs)
         self.requested_knobs = knobs
         self.max_active_clusters = max_active_clusters
         self.knob_cache_key = knob_cache_key or cache_key(
             arch=self.arch, fmt=self.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
-            experts_per_rank=spec.experts_per_rank(ctx.world_size), top_k=spec.top_k, world_size=ctx.world_size,
+            experts_per_rank=self.experts_per_rank, top_k=spec.top_k, world_size=ctx.world_size,
             max_tokens_per_rank=spec.max_tokens_per_rank)
         self.frontend = None
         self.knob_source: Optional[str] = None
@@ -66,16 +111,17 @@ class KernelBackend(Backend):
         return list(super().check_spec(spec, fmt, world_size)) + cls.format.size_violations(
             hidden=spec.hidden_size, intermediate=spec.intermediate_size, top_k=spec.top_k)
 
-    # -- per arch / format -----------------------------------------------------------------------------------
-    @classmethod
-    def frontend_class(cls):
-        return cls.format.frontend_class()
-
+    # -- hooks (per arch) --------------------------------------------------------------------------------------
     def autotune(self, weights: ExpertWeights):
         """knobs="auto" with no cache entry: a collective tune returning the winning knob set."""
         raise NotImplementedError
 
-    # -- knobs, once, before any workspace -------------------------------------------------------------------
+    # -- weights: knobs once, before any workspace, then the one frontend ----------------------------------------
+    @classmethod
+    def frontend_class(cls):
+        return cls.format.frontend_class()
+
+    @final
     def resolve_knobs(self, weights: ExpertWeights):
         """(knob set, where it came from): explicit > knob cache > shipped table > heuristic; "auto" tunes on a
         cache miss (a shipped entry counts as tuned: "auto" takes it rather than tune again)."""
@@ -86,6 +132,7 @@ class KernelBackend(Backend):
                                                max_tokens_per_rank=self.spec.max_tokens_per_rank,
                                                cache_key=self.knob_cache_key, shipped=self.shipped_knobs)
 
+    @final
     def shipped_knobs(self):
         """The shipped table's knobs for this layer on this GPU and this (verified) drop, or None."""
         from shim.common import knob_table, tree
@@ -97,9 +144,23 @@ class KernelBackend(Backend):
         hit = knob_table.lookup(self.arch, self.knob_cache_key, knob_table.device_name(self.ctx.device), drop)
         return None if hit is None else hit[0]
 
+    @final
     def make_frontend(self, knobs):
         """A frontend (one workspace) for this layer with the given knob set."""
-        return self.frontend_class()(self.spec, self.ctx, knobs, max_active_clusters=self.max_active_clusters)
+        return self.frontend_class()(self.spec, self.ctx, knobs, kernel_format=self.format,
+                                     max_active_clusters=self.max_active_clusters)
+
+    @final
+    def prepare_weights(self, weights: ExpertWeights) -> None:
+        knobs, self.knob_source = self.resolve_knobs(weights)
+        self.frontend = self.make_frontend(knobs)
+        self.frontend.use_graphs = self._internal_graphs
+        self.frontend.load_weights(weights)
+        self.frontend.compile()
+
+    @property
+    def knobs(self):
+        return self.frontend.knobs
 
     @property
     def internal_graphs(self) -> bool:
@@ -113,29 +174,22 @@ class KernelBackend(Backend):
         if self.frontend is not None:
             self.frontend.use_graphs = self._internal_graphs
 
-    # -- the moe_ep.Backend contract -------------------------------------------------------------------------
-    @property
-    def knobs(self):
-        return self.frontend.knobs
-
-    def prepare_weights(self, weights: ExpertWeights) -> None:
-        knobs, self.knob_source = self.resolve_knobs(weights)
-        self.frontend = self.make_frontend(knobs)
-        self.frontend.use_graphs = self._internal_graphs
-        self.frontend.load_weights(weights)
-        self.frontend.compile()
-
+    # -- forward, oracle, close ----------------------------------------------------------------------------------
+    @final
     def forward(self, hidden, topk_idx, topk_weights, out):
         self._last_t = hidden.shape[0]
         return self.frontend.forward(hidden, topk_idx, topk_weights, out)
 
+    @final
     def oracle_weights(self) -> QuantizedWeights:
         # Read back from the tensors the kernel is handed, not kept aside.
         return self.frontend.weights.canonical()
 
+    @final
     def staged_activation(self) -> QuantizedActivation:
         return self.frontend.staged_activation(self._last_t)
 
+    @final
     def close(self) -> None:
         if self.frontend is not None:
             self.frontend.close()
@@ -146,8 +200,9 @@ def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=Non
     """The frontend a layer of `backend` (a registered name or class) would build for `spec`, built for a
     compile without a GPU (CUTE_DSL_ARCH names the target; tensors are fakes with symbolic extents): what CI
     compiles every kernel through, and the tuner's and the drop audit's build checks. The spec is checked
-    against the backend's rules first (SpecError), as the layer would; knobs resolve as explicit > heuristic
-    (the user's knob cache is not read, so a compile check does not depend on the machine it runs on)."""
+    against the backend's rules first (SpecError), as the layer would, and the target as a layer's device would
+    be (check_target); knobs resolve as explicit > heuristic (the user's knob cache is not read, so a compile
+    check does not depend on the machine it runs on)."""
     from moe_ep.core.dist import RankContext
     from moe_ep.core.errors import SpecError
     from moe_ep.core.registry import resolve_backend
@@ -161,6 +216,8 @@ def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=Non
     if problems:
         argument, message = problems[0]
         raise SpecError(argument, f"{message} (backend {cls.name!r})")
+    check_target(cls.table)
     knob_set, _ = cls.knobs_module.resolve_knobs(knobs, fmt=fmt, max_tokens_per_rank=spec.max_tokens_per_rank,
                                                  cache_key="", cache=KnobCache(""))
-    return cls.frontend_class()(spec, RankContext.detached(rank, world_size), knob_set, compile_only=True)
+    return cls.frontend_class()(spec, RankContext.detached(rank, world_size), knob_set, kernel_format=cls.format,
+                                compile_only=True)

@@ -1,12 +1,22 @@
-"""What every MegaMoE frontend does, whatever the tree and the data format.
+"""What every MegaMoE frontend does, whatever the tree and the data format: the phases of one kernel for one layer.
 
-A frontend drives one kernel for one layer: it is built from the layer's MoESpec, its rank context and a
-knob set resolved beforehand (shim/common/backend.py), builds the kernel object, takes its share of the
-process's workspace (shim/common/workspace.py: the staging buffers, the kernel's workspaces and the graph
-memory are shared by every layer), compiles once (process-wide cache by compile key) and launches. Format frontends say which
-kernel class and constructor arguments, which peer-read input buffers and how to stage bf16 activations into
-them, and how weights are laid out (shim/<arch>/<format>_frontend.py). The layer has validated every input
-and the spec (its row of shim/<arch>/formats.py) before a frontend sees them, so frontends do not check them again.
+A frontend is built from the layer's MoESpec, its rank context and a knob set resolved beforehand
+(shim/common/backend.py). Its composers (final: arch and format code cannot replace them, shim/common/phases.py)
+run the phases in order, calling hooks the arch (shim/<arch>/frontend.py) and the format
+(shim/<arch>/<format>_frontend.py) fill in, with the same signatures on every tree:
+
+  build    kernel_class(knobs), kernel_kwargs(knobs) (arch), format_kwargs(knobs), check_kernel(kernel)
+  buffers  input_buffers() (the peer-read inputs), kernel_buffers() (rank-local extras): the layer's share of the
+           process's workspace (shim/common/workspace.py: staging buffers, kernel workspaces and graph memory are
+           shared by every layer)
+  weights  prepare_weights(weights), placeholder_weights() (arch: the tree's layout, shim/<arch>/weights.py)
+  compile  one cute.compile per compile key (process-wide cache), then check_on_device() once on a device
+  stage    prepare_routing(t), stage_activations(x)
+  launch   activation_args(b, rows), weight_args(b, w), output_args(b, out), workspace_args(b)
+  oracle   staged_activation(t)
+
+The layer has validated every input and the spec (its row of shim/<arch>/formats.py) before a frontend sees them,
+so frontends do not check them again.
 
 Launch policy below capacity (measured on an H200 with the Hopper FP8 kernel, drop 0.7.2.post1; see
 docs/shim.md): inputs are passed capacity-sized, spare rows carrying expert id -1, which dispatch skips; the
@@ -24,6 +34,10 @@ from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.formats import QuantizedActivation
 from shim.common import compile_cache
 from shim.common.cute_args import ArgBuilder
+from shim.common.formats import FormatTable, KernelFormat
+from shim.common.graph_cache import GraphCache, buffers_key
+from shim.common.knobs import InvalidKnobsError
+from shim.common.phases import Composed, final
 from shim.common.workspace import BufferSpec
 
 _capturing = torch._C._cuda_isCurrentStreamCapturing if hasattr(torch._C, "_cuda_isCurrentStreamCapturing") \
@@ -32,14 +46,20 @@ _capturing = torch._C._cuda_isCurrentStreamCapturing if hasattr(torch._C, "_cuda
 __all__ = ["MegaMoEFrontend"]
 
 
-class MegaMoEFrontend(LayerGeometry):
+class MegaMoEFrontend(Composed, LayerGeometry):
     arch = ""  # "sm90" / "sm100"
-    fmt = ""  # moe_ep format name
+    table: FormatTable  # the arch's format table (shim/<arch>/formats.py)
+    fmt = ""  # the moe_ep format this class serves by default (its row: `format`)
     # SMs of the part a compile-only build (no GPU to ask) assumes when sizing the persistent grid.
     compile_only_sm_count = 0
 
-    def __init__(self, spec: MoESpec, ctx: RankContext, knobs, *, compile_only: bool = False,
-                 max_active_clusters: Optional[int] = None):
+    @final
+    def __init__(self, spec: MoESpec, ctx: RankContext, knobs, *, kernel_format: Optional[KernelFormat] = None,
+                 compile_only: bool = False, max_active_clusters: Optional[int] = None):
+        """kernel_format: the table row served (default: the row of this class's `fmt`); one frontend class may
+        serve several rows (the same kernel under another scale mode)."""
+        if kernel_format is not None:
+            self._format, self.fmt = kernel_format, kernel_format.fmt
         self.spec, self.ctx, self.knobs, self.compile_only = spec, ctx, knobs, compile_only
         self.device = torch.device("cpu") if compile_only else ctx.device
         if not compile_only:
@@ -61,31 +81,52 @@ class MegaMoEFrontend(LayerGeometry):
         self._lease = None
         self._weights = None
         self._args_cache: Dict[Tuple[int, int, int], dict] = {}
-        self._graphs: Dict[Any, Any] = {}  # token count, or (token count, the caller's buffers) -> CUDA graph
-        self._seen: set = set()
         self.compiled = None
         self.compiled_from_cache = False
+        self.graphs = GraphCache(lambda: self._pool.graph_pool)
         self._alloc()
+
+    @property
+    def format(self) -> KernelFormat:
+        """This frontend's row of the arch's format table."""
+        row = self.__dict__.get("_format")
+        return row if row is not None else self.table.row(self.fmt)
 
     def static_expert_shape(self) -> Tuple[int, int, int]:
         """(E_local, FC1's N = 2I, H): the drop's `intermediate` is FC1's N, the down projection's K is I."""
         return self.experts_per_rank, 2 * self.intermediate_size, self.hidden_size
 
-    # -- subclass hooks ------------------------------------------------------------------------------------
-    def build_kernel(self, knobs):
+    # -- hooks: build ------------------------------------------------------------------------------------------
+    def symbols(self):
+        """The tree's kernel_symbols module (arch)."""
         raise NotImplementedError
 
+    def kernel_class(self, knobs):
+        """The drop's kernel class for this knob set (format)."""
+        raise NotImplementedError
+
+    def kernel_kwargs(self, knobs) -> Dict[str, Any]:
+        """Constructor arguments every kernel of the tree takes the same way (arch)."""
+        raise NotImplementedError
+
+    def format_kwargs(self, knobs) -> Dict[str, Any]:
+        """The format's own constructor arguments."""
+        return {}
+
+    def check_kernel(self, kernel) -> None:
+        """Cross-check what the drop's kernel derived (its layout constants, its buffer sizes) against what this
+        frontend lays out and hands it; RuntimeError on a mismatch."""
+
+    # -- hooks: buffers ----------------------------------------------------------------------------------------
     def input_buffers(self) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
         """Peer-read inputs on the symmetric heap, capacity-sized: (attribute name, shape, dtype)."""
         raise NotImplementedError
 
-    def stage_activations(self, x: torch.Tensor) -> None:
-        raise NotImplementedError
+    def kernel_buffers(self) -> List[BufferSpec]:
+        """Rank-local buffers the kernel's launch needs beyond its workspaces, shared by its layout."""
+        return []
 
-    def staged_activation(self, t: int) -> QuantizedActivation:
-        """The FC1 input the kernel read in the last forward over t tokens (for the oracle)."""
-        raise NotImplementedError
-
+    # -- hooks: weights ----------------------------------------------------------------------------------------
     def prepare_weights(self, weights):
         """moe_ep.ExpertWeights -> this format's kernel weights (shim/<arch>/weights.py)."""
         raise NotImplementedError
@@ -94,15 +135,24 @@ class MegaMoEFrontend(LayerGeometry):
         """Zero weights of the kernel's shapes and dtypes: what a compile without real weights is given."""
         raise NotImplementedError
 
-    def weight_args(self, b: ArgBuilder, w) -> Dict[str, Any]:
-        raise NotImplementedError
-
-    def activation_args(self, b: ArgBuilder, rows: int) -> Dict[str, Any]:
-        raise NotImplementedError
+    # -- hooks: compile, stage -----------------------------------------------------------------------------------
+    def check_on_device(self) -> None:
+        """Runs once compiled on a device, outside any capture: a format checks a device-dependent path here."""
 
     def prepare_routing(self, t: int) -> None:
         """Runs inside every launch (and so inside its graph) once the first t routing rows are in place; a
         kernel that does not skip -1 slots everywhere rewrites them here."""
+
+    def stage_activations(self, x: torch.Tensor) -> None:
+        """bf16 x [t, H] -> the peer-read input buffers' first t rows."""
+        raise NotImplementedError
+
+    # -- hooks: launch arguments -----------------------------------------------------------------------------------
+    def activation_args(self, b: ArgBuilder, rows: int) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def weight_args(self, b: ArgBuilder, w) -> Dict[str, Any]:
+        raise NotImplementedError
 
     def output_args(self, b: ArgBuilder, out: torch.Tensor) -> Dict[str, Any]:
         return dict(output_activation=b.tensor(out))
@@ -110,11 +160,26 @@ class MegaMoEFrontend(LayerGeometry):
     def workspace_args(self, b: ArgBuilder) -> Dict[str, Any]:
         return dict(local_workspace=b.byte_ptr(self.local_ws), shared_workspace=b.byte_ptr(self.shared_ws))
 
-    def symbols(self):
-        """The tree's kernel_symbols module (for SymBufferHost)."""
+    # -- hooks: oracle -------------------------------------------------------------------------------------------
+    def staged_activation(self, t: int) -> QuantizedActivation:
+        """The FC1 input the kernel read in the last forward over t tokens (for the oracle)."""
         raise NotImplementedError
 
+    # -- build -----------------------------------------------------------------------------------------------
+    @final
+    def build_kernel(self, knobs):
+        """The drop's kernel object for this knob set; a combination its constructor refuses is an
+        InvalidKnobsError before anything is allocated (the tuner's build check calls this alone)."""
+        cls = self.kernel_class(knobs)
+        try:
+            kernel = cls(**self.kernel_kwargs(knobs), **self.format_kwargs(knobs))
+        except (ValueError, NotImplementedError, AssertionError, TypeError) as e:
+            raise InvalidKnobsError("knobs", f"the {self.arch} {self.fmt} kernel rejects {knobs}: {e}") from e
+        self.check_kernel(kernel)
+        return kernel
+
     # -- buffers: the layer's share of the process's workspace (shim/common/workspace.py) ---------------------
+    @final
     def staging_buffers(self) -> List[BufferSpec]:
         """What a call stages and reads back, capacity-sized; overwritten every call, so shared by all layers."""
         c, h, k = self.max_tokens_per_rank, self.hidden_size, self.top_k
@@ -127,10 +192,6 @@ class MegaMoEFrontend(LayerGeometry):
         specs += [BufferSpec("topk_idx", (c, k), torch.int64, False),
                   BufferSpec("x_in", (c, h), torch.bfloat16, False)]  # the internal graphs' static input
         return specs
-
-    def kernel_buffers(self) -> List[BufferSpec]:
-        """Rank-local buffers the kernel's launch needs beyond its workspaces, shared by its layout."""
-        return []
 
     def _alloc(self) -> None:
         from shim.common.workspace import pool_for
@@ -150,9 +211,9 @@ class MegaMoEFrontend(LayerGeometry):
             self.sym_out = None
         self.peer_base, self.peer_offsets = self._pool.peer_base, self._pool.peer_offsets
         self._args_cache.clear()
-        self._graphs.clear()
-        self._seen.clear()
+        self.graphs.clear()
 
+    @final
     def symmetric_bytes(self) -> int:
         """Bytes this workspace holds on the NVSHMEM heap (every rank the same)."""
         names = ["shared_ws", "topk_w"] + [n for n, _, _ in self.input_buffers()]
@@ -161,20 +222,22 @@ class MegaMoEFrontend(LayerGeometry):
             total += self.sym_out.numel() * self.sym_out.element_size()
         return total
 
+    # -- weights -----------------------------------------------------------------------------------------------
+    @final
     def load_weights(self, weights):
         """Lay out a moe_ep.ExpertWeights (validated by the layer) for the kernel; returns the kernel weights."""
         self._weights = self.prepare_weights(weights)
         self._args_cache.clear()
-        self._graphs.clear()
+        self.graphs.clear(forget_seen=False)
         return self._weights
 
+    @final
     def adopt_weights(self, kernel_weights) -> None:
         """Take kernel weights another frontend of the same format and geometry laid out (the tuner's candidates
         share one layout: it does not depend on the knobs)."""
         self._weights = kernel_weights
         self._args_cache.clear()
-        self._graphs.clear()
-        self._seen.clear()
+        self.graphs.clear()
 
     @property
     def weights(self):
@@ -197,10 +260,12 @@ class MegaMoEFrontend(LayerGeometry):
         args.update(peer_rank_ptr_mapper_host=self._mapper(), stream=b.stream())
         return args
 
+    @final
     def compile_key(self) -> tuple:
         return (self.arch, self.fmt, type(self.kernel).__name__, self.knobs, self.spec, self.world_size, self.rank,
                 self.max_active_clusters, self.compile_only)
 
+    @final
     def build_compiled(self):
         """The `cute.compile` alone (host work only; process-wide cache by compile key). compile() also loads
         the module on the device; a tuner compiles many candidates in parallel with this, off the GPU."""
@@ -216,6 +281,7 @@ class MegaMoEFrontend(LayerGeometry):
         self.compiled, self.compiled_from_cache = compile_cache.get_or_compile(self.compile_key(), build)
         return self.compiled
 
+    @final
     def compile(self):
         self.build_compiled()
         if not self.compile_only and self._weights is not None:
@@ -223,30 +289,29 @@ class MegaMoEFrontend(LayerGeometry):
             # loads the module and settles lazy initialisation before any graph capture needs it.
             self._launch(0, self.x_in[:0], None)
             torch.cuda.synchronize(self.device)
+        if not self.compile_only:
+            self.check_on_device()
         return self.compiled
 
     # -- run -----------------------------------------------------------------------------------------------
     use_graphs = True
-    max_graphs = 64
 
+    @final
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Inputs are validated by moe_ep (shapes, dtypes, ids in range, T <= capacity); out [T, H] bf16.
 
-        Outside a stream capture every call replays an internal CUDA graph: the CuTe executor costs ~200 us of
-        host time per eager launch on the H200 host, a replay a few. A caller that passes the same buffers again
-        (an engine's static buffers, or a loop whose tensors the allocator hands back at the same addresses)
-        gets a graph that reads and writes them in place, the routing copies inside it: one replay is the whole
-        call. Any other call copies its inputs into the workspace and replays the graph of its token count.
-        Inside a caller's capture (the caller graphs the whole model) the launch is eager.
+        Outside a stream capture every call replays an internal CUDA graph (shim/common/graph_cache.py): in place
+        over the caller's buffers when they come back, else over the workspace's inputs by token count. Inside a
+        caller's capture (the caller graphs the whole model) the launch is eager.
         """
         t = x.shape[0]
         graphing = self.use_graphs and not self.compile_only and not _capturing()
         key = None
         if graphing and out is not None:
             # The steady state first (an engine's static buffers): one dict lookup and the replay.
-            key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
-            graph = self._graphs.get(key)
+            key = buffers_key(t, x, topk_idx, topk_weights, out)
+            graph = self.graphs.get(key)
             if graph is not None and not self._lease.stale:
                 graph.replay()
                 return out
@@ -258,21 +323,21 @@ class MegaMoEFrontend(LayerGeometry):
             self.compile()
         if out is None:
             out = torch.empty((t, self.hidden_size), dtype=torch.bfloat16, device=self.device)
-        if graphing:
-            if key is None:  # out was allocated just above
-                key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
-            graph = self._graphs.get(key)
-            if graph is None:
-                if key not in self._seen:
-                    # Seen once: buffers that do not come back would each cost a capture. Copy and replay.
-                    if len(self._seen) >= 4 * self.max_graphs:
-                        self._seen.clear()
-                    self._seen.add(key)
-                    return self._replay_by_token_count(t, x, topk_idx, topk_weights, out)
-                graph = self._capture(key, t, lambda: self._launch_in_place(t, x, topk_idx, topk_weights, out))
-            graph.replay()
+        if not graphing:
+            self._launch_in_place(t, x, topk_idx, topk_weights, out)
             return out
-        self._launch_in_place(t, x, topk_idx, topk_weights, out)
+        if key is None:  # out was allocated just above
+            key = buffers_key(t, x, topk_idx, topk_weights, out)
+        if self.graphs.in_place(key, lambda: self._launch_in_place(t, x, topk_idx, topk_weights, out)):
+            return out
+        # Buffers seen once: copy them into the workspace and replay the graph of this token count.
+        if t:
+            self.x_in[:t].copy_(x)
+            self.topk_idx[:t].copy_(topk_idx)
+            self.topk_w[:t].copy_(topk_weights)
+        self.graphs.by_token_count(t, lambda: self._launch(t, self.x_in[:t], None))
+        if t:
+            out.copy_(self.out_buf[:t])
         return out
 
     def _launch_in_place(self, t: int, x, topk_idx, topk_weights, out) -> None:
@@ -280,19 +345,6 @@ class MegaMoEFrontend(LayerGeometry):
             self.topk_idx[:t].copy_(topk_idx)
             self.topk_w[:t].copy_(topk_weights)
         self._launch(t, x[:t], out)
-
-    def _replay_by_token_count(self, t: int, x, topk_idx, topk_weights, out) -> torch.Tensor:
-        if t:
-            self.x_in[:t].copy_(x)
-            self.topk_idx[:t].copy_(topk_idx)
-            self.topk_w[:t].copy_(topk_weights)
-        graph = self._graphs.get(t)
-        if graph is None:
-            graph = self._capture(t, t, lambda: self._launch(t, self.x_in[:t], None))
-        graph.replay()
-        if t:
-            out.copy_(self.out_buf[:t])
-        return out
 
     def _launch(self, t: int, x: torch.Tensor, out: Optional[torch.Tensor]) -> None:
         """Stage x (topk ids / weights already in place), mask spare rows, launch; write out[:t]."""
@@ -320,22 +372,10 @@ class MegaMoEFrontend(LayerGeometry):
         if out is not None and not direct and t > 0:
             out.copy_(self.out_buf[:t])
 
-    def _capture(self, key, t: int, launch):
-        if len(self._graphs) >= self.max_graphs:
-            self._graphs.clear()
-        # No warm-up launch here: every launch is collective across ranks, and ranks meet a new token count
-        # at different calls. The module was loaded by the masked launch in compile(); the capture records
-        # without running, and the caller's replay is this call's one launch.
-        graph = torch.cuda.CUDAGraph()
-        # One memory pool for every layer's graphs: they replay one at a time on one stream.
-        with torch.cuda.graph(graph, pool=self._pool.graph_pool):
-            launch()
-        self._graphs[key] = graph
-        return graph
-
+    @final
     def close(self) -> None:
         """Collective: this layer's graphs go, and its share of the workspace is released."""
-        self._graphs.clear()
+        self.graphs.clear(forget_seen=False)
         self._args_cache.clear()
         self.compiled = None
         if self._lease is not None:

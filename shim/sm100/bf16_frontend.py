@@ -19,18 +19,18 @@ __all__ = ["Sm100Bf16Frontend"]
 class Sm100Bf16Frontend(Sm100Frontend):
     fmt = "bf16"
 
-    def kernel_class(self):
+    def kernel_class(self, knobs):
         return self.symbols().Sm100MegaMoEBf16Kernel
 
     def kernel_interleave(self) -> int:
         return int(self.symbols().Sm100MegaMoEBf16Kernel.GateUpInterleave)
 
-    def format_kwargs(self):
+    def format_kwargs(self, knobs):
         import cutlass
 
         ks = self.symbols()
         return dict(token_padding_block=int(ks.EpilogueTokenTile), ab_dtype=cutlass.BFloat16, local_rank=self.rank,
-                    token_back_by_dispatch=self.knobs.token_back_by_dispatch, generate_c=False, use_stg_fc1=False,
+                    token_back_by_dispatch=knobs.token_back_by_dispatch, generate_c=False, use_stg_fc1=False,
                     apply_topk_in_fc1=True)
 
     def input_buffers(self):

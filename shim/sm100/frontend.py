@@ -1,10 +1,11 @@
-"""What the Blackwell frontends share: the tree's symbols, the device guard, kernel construction from a knob
-set, the Blackwell weight layout (shim/sm100/weights.py) and the block-scaled activation staging.
+"""What the Blackwell frontends share: the tree's symbols, the constructor arguments every Blackwell kernel takes,
+the Blackwell weight layout (shim/sm100/weights.py) and the block-scaled activation staging.
 
 Everything a frontend does whatever the tree (kernel object -> workspace sizes -> symmetric buffers -> one
 compile -> padded launch) is shim.common.frontend.MegaMoEFrontend; the format frontends
 (shim/sm100/{nvfp4,mxfp8,bf16}_frontend.py) say which kernel and constructor arguments, which peer-read
-buffers and how to fill them, and what the launch passes. Launch policy (shared with the Hopper tree, whose
+buffers and how to fill them, and what the launch passes. The device (a Blackwell GPU, or CUTE_DSL_ARCH for a
+compile without one) is checked once, by the backend (shim/common/backend.py check_target). Launch policy (shared with the Hopper tree, whose
 token-communication code these kernels share): inputs are capacity-sized with spare rows routed to expert
 -1; the top-k reduce covers the T real rows.
 
@@ -15,18 +16,15 @@ TopkReduce (skip_topk_reduce=False) and combine in bf16.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict
 
 import torch
-
-from moe_ep.core.errors import BackendUnavailableError
 
 from shim.common.cute_args import ArgBuilder
 from shim.common.frontend import MegaMoEFrontend
 from shim.sm100 import weights as sm100_weights
 from shim.sm100.formats import BACKENDS
-from shim.sm100.knobs import InvalidKnobsError, Sm100Knobs
+from shim.sm100.knobs import Sm100Knobs
 from shim.sm100.weights import GATE_UP_INTERLEAVE, SCALE_BLOCK, round_up
 
 __all__ = ["B200_SM_COUNT", "Sm100Frontend", "BlockScaledFrontend", "tensor_workspaces"]
@@ -37,35 +35,15 @@ B200_SM_COUNT = 148
 
 class Sm100Frontend(MegaMoEFrontend):
     arch = "sm100"
+    table = BACKENDS
     compile_only_sm_count = B200_SM_COUNT
 
-    def __init__(self, spec, ctx, knobs, *, compile_only: bool = False, **kw):
-        if compile_only:
-            arch = os.environ.get("CUTE_DSL_ARCH", "")
-            on_blackwell = not arch and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
-            if not (arch.startswith(("sm_100", "sm_103")) or on_blackwell):
-                raise BackendUnavailableError("CUTE_DSL_ARCH", "a compile-only sm100 build targets sm_100a: set "
-                                              "CUTE_DSL_ARCH=sm_100a in the environment before cutlass is imported "
-                                              f"(it is {arch or 'unset'})")
-        else:
-            if not torch.cuda.is_available():
-                raise BackendUnavailableError("device", "the sm100 MegaMoE kernels need a Blackwell (sm_100) GPU; "
-                                              "this host has no CUDA device (use compile_only=True with "
-                                              "CUTE_DSL_ARCH=sm_100a to only compile)")
-            major, minor = torch.cuda.get_device_capability(ctx.device)
-            if major != 10:
-                raise BackendUnavailableError("device", f"the sm100 MegaMoE kernels need a Blackwell (sm_100) GPU; "
-                                              f"{ctx.device} is sm_{major}{minor}")
-        super().__init__(spec, ctx, knobs, compile_only=compile_only, **kw)
-
-    # -- shared hooks --------------------------------------------------------------------------------------
     def symbols(self):
         from shim.sm100 import kernel_symbols
 
         return kernel_symbols
 
     def kernel_kwargs(self, knobs: Sm100Knobs) -> Dict[str, Any]:
-        """Constructor arguments every sm100 kernel takes the same way."""
         return dict(
             mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk,
             use_2cta_instrs=knobs.use_2cta_instrs, group_hint=knobs.group_hint or self.max_active_clusters,
@@ -75,32 +53,17 @@ class Sm100Frontend(MegaMoEFrontend):
             flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp,
             # The kernel's own TopkReduce writes output_activation (without the in-kernel reduce).
             skip_topk_reduce=False,
-            **{BACKENDS.row(self.fmt).reduce_kwarg: knobs.fc2_in_kernel_topk_reduce},
+            **{self.format.reduce_kwarg: knobs.fc2_in_kernel_topk_reduce},
         )
 
-    def kernel_class(self):
-        raise NotImplementedError
-
-    def format_kwargs(self) -> Dict[str, Any]:
-        raise NotImplementedError
-
     def kernel_interleave(self) -> int:
-        """The kernel's SwiGLU gate/up pairing, read from the drop."""
+        """The kernel's SwiGLU gate/up pairing, read from the drop (each format says where the drop states it)."""
         raise NotImplementedError
 
-    def build_kernel(self, knobs: Sm100Knobs):
+    def check_kernel(self, kernel) -> None:
         if self.kernel_interleave() != GATE_UP_INTERLEAVE[self.fmt]:
             raise RuntimeError(f"the drop's {self.fmt} kernel pairs gate/up rows in groups of "
                                f"{self.kernel_interleave()}; the weight packer assumes {GATE_UP_INTERLEAVE[self.fmt]}")
-        try:
-            kernel = self.kernel_class()(**self.kernel_kwargs(knobs), **self.format_kwargs())
-        except (ValueError, NotImplementedError, AssertionError, TypeError) as e:
-            raise InvalidKnobsError("knobs", f"the {self.fmt} kernel rejects {knobs}: {e}") from e
-        self.check_kernel(kernel)
-        return kernel
-
-    def check_kernel(self, kernel) -> None:
-        """Cross-check what the kernel object derived against the buffers this frontend will hand it."""
 
     def prepare_weights(self, weights):
         return sm100_weights.prepare_weights(self.fmt, weights.w13, weights.w2, self.device,
@@ -133,6 +96,7 @@ class BlockScaledFrontend(Sm100Frontend):
         return round_up(self.hidden_size // SCALE_BLOCK[self.fmt], 4)
 
     def check_kernel(self, kernel) -> None:
+        super().check_kernel(kernel)
         if kernel.sf_uint32_per_token * 4 != self.scale_cols:
             raise RuntimeError(f"the {self.fmt} kernel pulls {kernel.sf_uint32_per_token * 4} scale bytes per token; "
                                f"the frontend stages {self.scale_cols}")

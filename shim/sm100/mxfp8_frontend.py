@@ -26,13 +26,13 @@ class Sm100Mxfp8Frontend(BlockScaledFrontend):
     act_dtype = torch.float8_e4m3fn
     scale_dtype = torch.float8_e8m0fnu
 
-    def kernel_class(self):
+    def kernel_class(self, knobs):
         return self.symbols().Sm100MegaMoEMxfp8Kernel
 
     def kernel_interleave(self) -> int:
         return int(self.symbols().Sm100MegaMoEMxfp8Kernel.GateUpInterleave)
 
-    def format_kwargs(self):
+    def format_kwargs(self, knobs):
         import cutlass
 
         ks = self.symbols()

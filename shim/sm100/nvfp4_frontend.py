@@ -22,13 +22,13 @@ class Sm100Nvfp4Frontend(BlockScaledFrontend):
     act_dtype = torch.float4_e2m1fn_x2
     scale_dtype = torch.float8_e4m3fn
 
-    def kernel_class(self):
+    def kernel_class(self, knobs):
         return self.symbols().Sm100MegaMoEKernel
 
     def kernel_interleave(self) -> int:
         return int(self.symbols().SwapABSwigluFp4Epilogue._EpilogueFc1GateUpInterleave)
 
-    def format_kwargs(self):
+    def format_kwargs(self, knobs):
         import cutlass
 
         ks = self.symbols()

@@ -19,9 +19,9 @@ __all__ = ["Sm90Bf16Frontend"]
 class Sm90Bf16Frontend(Sm90Frontend):
     fmt = "bf16"
 
-    def kernel_classes(self):
+    def kernel_class(self, knobs):
         ks = self.symbols()
-        return ks.Sm90MegaMoEBf16Kernel, ks.Sm90MegaMoESwapABBf16Kernel
+        return ks.Sm90MegaMoESwapABBf16Kernel if knobs.swap_ab else ks.Sm90MegaMoEBf16Kernel
 
     def input_buffers(self):
         return [("act", (self.max_tokens_per_rank, self.hidden_size), torch.bfloat16)]

@@ -19,7 +19,6 @@ from moe_ep.formats import QuantizedActivation, codecs
 from shim.sm90 import fp8_staging
 from shim.sm90 import weights as sm90_weights
 from shim.sm90.frontend import Sm90Frontend
-from shim.sm90.formats import BACKENDS
 from shim.sm90.knobs import Sm90Knobs
 
 __all__ = ["Sm90Fp8Frontend"]
@@ -35,20 +34,23 @@ class Sm90Fp8Frontend(Sm90Frontend):
     fmt = "fp8_block"
     staging = "torch"  # "fused" once compile() has checked the fused kernel on this device
 
-    def kernel_classes(self):
+    def kernel_class(self, knobs: Sm90Knobs):
         ks = self.symbols()
-        if ks.Fp8GateUpInterleave != sm90_weights.GATE_UP_INTERLEAVE:
-            raise RuntimeError(f"drop's Fp8GateUpInterleave={ks.Fp8GateUpInterleave}, the weight packer assumes "
-                               f"{sm90_weights.GATE_UP_INTERLEAVE}")
-        return ks.Sm90MegaMoEFp8Kernel, ks.Sm90MegaMoESwapABFp8Kernel
+        return ks.Sm90MegaMoESwapABFp8Kernel if knobs.swap_ab else ks.Sm90MegaMoEFp8Kernel
 
     def format_kwargs(self, knobs: Sm90Knobs):
         import cutlass
 
         ks = self.symbols()
         return dict(sf_padding_block=ks.SfPaddingBlock, ab_dtype=cutlass.Float8E4M3FN,
-                    sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=BACKENDS.row(self.fmt).scale_mode,
+                    sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=self.format.scale_mode,
                     fp8_accum_mode=knobs.accum_mode)
+
+    def check_kernel(self, kernel) -> None:
+        ks = self.symbols()
+        if ks.Fp8GateUpInterleave != sm90_weights.GATE_UP_INTERLEAVE:
+            raise RuntimeError(f"drop's Fp8GateUpInterleave={ks.Fp8GateUpInterleave}, the weight packer assumes "
+                               f"{sm90_weights.GATE_UP_INTERLEAVE}")
 
     def input_buffers(self):
         c, h = self.max_tokens_per_rank, self.hidden_size
@@ -67,11 +69,9 @@ class Sm90Fp8Frontend(Sm90Frontend):
             # Zero word padding, every call: the staging arena is shared by every layer (shim/common/workspace.py).
             self.act_sf[:t, h // ACT_BLOCK:].zero_()
 
-    def compile(self):
-        compiled = super().compile()
-        if not self.compile_only and self.staging != "fused":
+    def check_on_device(self) -> None:
+        if self.staging != "fused":
             self.staging = self._check_fused_staging()
-        return compiled
 
     def _check_fused_staging(self) -> str:
         """"fused" when the fused kernel gives the format quantizer's bytes on this device, else "torch"."""
@@ -90,11 +90,11 @@ class Sm90Fp8Frontend(Sm90Frontend):
             same = torch.equal(q, rq.view(torch.uint8)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
         except Exception as e:  # noqa: BLE001 - any failure of the optional kernel means the torch path
             warnings.warn(f"fused FP8 staging unavailable here ({type(e).__name__}: {e}); staging with torch ops",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=4)
             return "torch"
         if not same:
             warnings.warn("the fused FP8 staging kernel's bytes differ from the format quantizer's on this device; "
-                          "staging with torch ops", RuntimeWarning, stacklevel=3)
+                          "staging with torch ops", RuntimeWarning, stacklevel=4)
             return "torch"
         return "fused"
 

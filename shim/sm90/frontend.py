@@ -1,18 +1,19 @@
-"""What the Hopper frontends share: the tree's symbols, kernel construction from a knob set, the Hopper launch
-arguments and weight layout (shim/sm90/weights.py).
+"""What the Hopper frontends share: the tree's symbols, the constructor arguments every Hopper MegaMoE kernel takes,
+the Hopper launch arguments and weight layout (shim/sm90/weights.py).
 
-Both Hopper MegaMoE kernels (FP8 and BF16) take the same scheduling / token-comm constructor arguments; a
-format frontend (shim/sm90/<format>_frontend.py) names its two kernel classes (plain and swap-AB), adds its
+Every Hopper MegaMoE kernel (FP8, BF16) takes the same scheduling / token-comm constructor arguments; a format
+frontend (shim/sm90/<format>_frontend.py) names its kernel class (plain or swap-AB, by the swap_ab knob), adds its
 format's own constructor arguments, and says how activations are staged.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict
 
 from shim.common.frontend import MegaMoEFrontend
 from shim.sm90 import weights as sm90_weights
-from shim.sm90.knobs import KERNEL_CLASS, InvalidKnobsError, Sm90Knobs
+from shim.sm90.formats import BACKENDS
+from shim.sm90.knobs import Sm90Knobs
 
 __all__ = ["Sm90Frontend", "H200_SM_COUNT"]
 
@@ -22,6 +23,7 @@ H200_SM_COUNT = 132
 
 class Sm90Frontend(MegaMoEFrontend):
     arch = "sm90"
+    table = BACKENDS
     compile_only_sm_count = H200_SM_COUNT
 
     def symbols(self):
@@ -29,32 +31,18 @@ class Sm90Frontend(MegaMoEFrontend):
 
         return kernel_symbols
 
-    def kernel_classes(self) -> Tuple[type, type]:
-        """(plain, swap-AB) kernel classes of this format."""
-        raise NotImplementedError
-
-    def format_kwargs(self, knobs: Sm90Knobs) -> Dict[str, Any]:
-        return {}
-
-    def build_kernel(self, knobs: Sm90Knobs):
-        if knobs.kernel != KERNEL_CLASS[self.fmt]:
-            raise InvalidKnobsError("kernel", f"fmt {self.fmt!r} is served by {KERNEL_CLASS[self.fmt]}, "
-                                              f"the knob set names {knobs.kernel!r}")
-        plain, swap = self.kernel_classes()
-        try:
-            return (swap if knobs.swap_ab else plain)(
-                mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk, use_2cta_instrs=False,
-                group_hint=knobs.group_hint or self.max_active_clusters, token_padding_block=knobs.token_tile,
-                load_balance_mode=knobs.load_balance_mode, static_expert_shape=self.static_expert_shape(),
-                pingpong=knobs.pingpong, world_size=self.world_size, local_rank=self.rank, num_topk=self.top_k,
-                max_tokens_per_rank=self.max_tokens_per_rank, hidden=self.hidden_size,
-                fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce, apply_topk_in_fc1=True,
-                token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch,
-                flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp,
-                tail_split_pairs=knobs.tail_split_pairs, **self.format_kwargs(knobs),
-            )
-        except (ValueError, NotImplementedError, AssertionError, TypeError) as e:
-            raise InvalidKnobsError("knobs", f"the kernel rejects {knobs}: {e}") from e
+    def kernel_kwargs(self, knobs: Sm90Knobs) -> Dict[str, Any]:
+        return dict(
+            mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk, use_2cta_instrs=False,
+            group_hint=knobs.group_hint or self.max_active_clusters, token_padding_block=knobs.token_tile,
+            load_balance_mode=knobs.load_balance_mode, static_expert_shape=self.static_expert_shape(),
+            pingpong=knobs.pingpong, world_size=self.world_size, local_rank=self.rank, num_topk=self.top_k,
+            max_tokens_per_rank=self.max_tokens_per_rank, hidden=self.hidden_size,
+            fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce, apply_topk_in_fc1=True,
+            token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch,
+            flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp,
+            tail_split_pairs=knobs.tail_split_pairs,
+        )
 
     def prepare_weights(self, weights):
         return sm90_weights.prepare_weights(self.fmt, weights.w13, weights.w2, self.device,

@@ -94,9 +94,14 @@ class Sm90Knobs(KnobSet):
     def correctness_part(self) -> Tuple:
         return tuple(getattr(self, k) for k in CORRECTNESS_KNOBS)
 
-    def validate(self) -> "Sm90Knobs":
+    def validate(self, fmt: Optional[str] = None) -> "Sm90Knobs":
+        """self, if every knob is in its kernel's KNOB_SPACE and the combination is one the kernels take; with
+        fmt, also that the set names fmt's kernel (as sm100's validate(fmt), called the same way by resolution)."""
         if self.kernel not in KNOB_SPACE:
             raise InvalidKnobsError("kernel", f"{self.kernel!r} is not one of {sorted(KNOB_SPACE)}")
+        if fmt is not None and self.kernel != KERNEL_CLASS[fmt]:
+            raise InvalidKnobsError("kernel", f"fmt {fmt!r} is served by {KERNEL_CLASS[fmt]}, "
+                                              f"the knob set names {self.kernel!r}")
         space = KNOB_SPACE[self.kernel]
         checks = {
             "mma_tiler_mnk": self.mma_tiler_mnk, "cluster_shape_mnk": self.cluster_shape_mnk,
@@ -142,4 +147,4 @@ def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm90Knobs:
 def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None, shipped=None) -> Tuple[Sm90Knobs, str]:
     """Explicit > persistent cache > shipped table > heuristic. Returns (knobs, where they came from)."""
     return resolve_knob_set(knobs, knob_type=Sm90Knobs, heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank),
-                            validate=Sm90Knobs.validate, cache_key=cache_key, cache=cache, shipped=shipped)
+                            validate=lambda k: k.validate(fmt), cache_key=cache_key, cache=cache, shipped=shipped)

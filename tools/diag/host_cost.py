@@ -57,7 +57,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             call()
         sync()
         fe = layer.backend.frontend
-        graph = next(gr for key, gr in fe._graphs.items() if isinstance(key, tuple))
+        graph = next(gr for key, gr in fe.graphs.items() if isinstance(key, tuple))
         watch = layer.watch
         row: Dict[str, object] = dict(T=t, capacity=cap, knobs=str(layer.backend.knobs))
         n, blocks = 50, 9

@@ -43,7 +43,7 @@ for t, with_heur in [(1, True), (8, True), (8, False), (32, True), (2048, True),
                 c0 = time.perf_counter(); fn(); per.append((time.perf_counter() - c0) * 1e6)
             sync()
             res[f"{name}_{mode}"] = (round(statistics.median(per), 1), q(per))
-    graph = next(gr for k, gr in tuned.backend.frontend._graphs.items() if isinstance(k, tuple))
+    graph = next(gr for k, gr in tuned.backend.frontend.graphs.items() if isinstance(k, tuple))
     sync(); per = []
     for _ in range(40):
         c0 = time.perf_counter(); graph.replay(); per.append((time.perf_counter() - c0) * 1e6)

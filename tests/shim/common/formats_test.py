@@ -67,6 +67,23 @@ def test_the_registry_the_backends_and_the_table_agree(arch):
     assert select_default(arch) == table.rows[0].backend
 
 
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_arch_classes_fill_in_hooks_only(arch):
+    """The shipped arch and format classes define no composer (they would not import otherwise), and every row
+    class is its arch class bound to one row."""
+    from shim.common.frontend import MegaMoEFrontend
+
+    table = _table(arch)
+    backend_module = __import__(f"shim.{arch}.backend", fromlist=["ROW_CLASSES"])
+    arch_cls = getattr(backend_module, f"{arch.capitalize()}Backend")
+    classes = backend_module.ROW_CLASSES
+    assert [c.format for c in classes.values()] == list(table.rows)
+    assert all(c.__bases__ == (arch_cls,) and c.name == c.format.backend for c in classes.values())
+    for row in table:
+        fe = row.frontend_class()
+        assert issubclass(fe, MegaMoEFrontend) and fe.table is table
+
+
 def select_default(arch):
     import warnings
 
@@ -108,9 +125,9 @@ def test_a_table_refuses_two_rows_for_one_format():
     row = _table("sm90").rows[0]
     other = type(row)(**{**row.__dict__, "backend": "x", "target": "shim.sm90.backend:X"})
     with pytest.raises(ValueError, match="repeats a fmt"):
-        FormatTable("sm90", (row, other))
+        FormatTable("sm90", (row, other), gpu="Hopper", cute_targets=("sm_90",))
     with pytest.raises(ValueError, match="names arch"):
-        FormatTable("sm100", (row,))
+        FormatTable("sm100", (row,), gpu="Blackwell", cute_targets=("sm_100",))
 
 
 def _fake_sm90_tree(root: Path) -> Path:

@@ -29,6 +29,8 @@ def test_fp8_kernel_compiles_on_cpu(capacity):
     f = compile_only_frontend("sm90_fp8_cutedsl", _spec(capacity))
     assert type(f).__name__ == "Sm90Fp8Frontend" and f.fmt == "fp8_block"
     assert f.knobs.swap_ab == (capacity == 64)
+    # The kernel the frontend builds is the one its format table row names (plain, or swap-AB by the knob).
+    assert type(f.kernel).__name__ == f.format.kernel_classes[int(f.knobs.swap_ab)]
     compiled = f.compile()
     assert compiled is not None and callable(compiled)
     again = compile_only_frontend("sm90_fp8_cutedsl", _spec(capacity))
@@ -43,6 +45,7 @@ def test_bf16_kernel_compiles_on_cpu(capacity):
     f = compile_only_frontend("sm90_bf16_cutedsl", _spec(capacity))
     assert type(f).__name__ == "Sm90Bf16Frontend"
     assert f.knobs.kernel == "Sm90MegaMoEBf16Kernel" and f.knobs.mma_tiler_mnk[2] == 64
+    assert type(f.kernel).__name__ == f.format.kernel_classes[int(f.knobs.swap_ab)]
     assert callable(f.compile())
 
 
