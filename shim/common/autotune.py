@@ -40,6 +40,8 @@ class AutotuneResult:
     local_medians_us: List[float]
     errors: List[Optional[str]] = field(default_factory=list)
     seconds: float = 0.0
+    # What the candidates shared and the caller may keep (the Hopper tune: the kernel weights, laid out once).
+    kernel_weights: Any = None
 
 
 def _digest(candidates: Sequence[Any]) -> int:

@@ -113,7 +113,9 @@ class KernelBackend(Composed, LayerGeometry, Backend):
 
     # -- hooks (per arch) --------------------------------------------------------------------------------------
     def autotune(self, weights: ExpertWeights):
-        """knobs="auto" with no cache entry: a collective tune returning the winning knob set."""
+        """knobs="auto" with neither a cache nor a shipped entry: a collective tune returning the winning knob set
+        (and keeping its AutotuneResult in `autotune_result`; its kernel_weights, when set, are adopted by the
+        layer's frontend instead of laying the weights out again)."""
         raise NotImplementedError
 
     # -- weights: knobs once, before any workspace, then the one frontend ----------------------------------------
@@ -123,14 +125,12 @@ class KernelBackend(Composed, LayerGeometry, Backend):
 
     @final
     def resolve_knobs(self, weights: ExpertWeights):
-        """(knob set, where it came from): explicit > knob cache > shipped table > heuristic; "auto" tunes on a
-        cache miss (a shipped entry counts as tuned: "auto" takes it rather than tune again)."""
-        if self.requested_knobs == "auto":
-            if KnobCache().get(self.knob_cache_key) is None and self.shipped_knobs() is None:
-                return self.autotune(weights), "autotune"
+        """(knob set, where it came from), in one pass: explicit > knob cache > shipped table > heuristic; "auto"
+        tunes on a miss of both (a shipped entry counts as tuned: "auto" takes it rather than tune again)."""
         return self.knobs_module.resolve_knobs(self.requested_knobs, fmt=self.fmt,
                                                max_tokens_per_rank=self.spec.max_tokens_per_rank,
-                                               cache_key=self.knob_cache_key, shipped=self.shipped_knobs)
+                                               cache_key=self.knob_cache_key, shipped=self.shipped_knobs,
+                                               tune=lambda: self.autotune(weights))
 
     @final
     def shipped_knobs(self):
@@ -155,7 +155,12 @@ class KernelBackend(Composed, LayerGeometry, Backend):
         knobs, self.knob_source = self.resolve_knobs(weights)
         self.frontend = self.make_frontend(knobs)
         self.frontend.use_graphs = self._internal_graphs
-        self.frontend.load_weights(weights)
+        laid_out = getattr(self.autotune_result, "kernel_weights", None)
+        if laid_out is not None:  # the tune's candidates shared one layout (it does not depend on the knobs)
+            self.frontend.adopt_weights(laid_out)
+            self.autotune_result.kernel_weights = None
+        else:
+            self.frontend.load_weights(weights)
         self.frontend.compile()
 
     @property

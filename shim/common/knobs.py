@@ -2,8 +2,9 @@
 
 Each tree's knobs.py owns what its kernels accept (a literal KNOB_SPACE, a frozen
 dataclass, validation, the heuristic); this module owns what every tree does the
-same way: explicit knobs > the persistent knob cache > the heuristic, resolved once
-per workspace allocation, with no compile and no collective.
+same way: explicit knobs > the persistent knob cache > the shipped table > the
+heuristic (or, for knobs="auto", a collective tune), resolved in one pass per
+workspace allocation.
 """
 
 from __future__ import annotations
@@ -48,14 +49,17 @@ class KnobSet:
 
 
 def resolve_knob_set(knobs, *, knob_type: Type[K], heuristic: Callable[[], K], validate: Callable[[K], K],
-                     cache_key: str, cache=None, shipped: Optional[Callable[[], Optional[Dict[str, Any]]]] = None
-                     ) -> Tuple[K, str]:
-    """Explicit > persistent cache > shipped table > heuristic. Returns (validated knobs, where they came from:
-    "explicit", "cache", "table" or "heuristic").
+                     cache_key: str, cache=None, shipped: Optional[Callable[[], Optional[Dict[str, Any]]]] = None,
+                     tune: Optional[Callable[[], K]] = None) -> Tuple[K, str]:
+    """Explicit > persistent cache > shipped table > (for "auto") a tune > heuristic, in one pass: the cache and the
+    shipped table are each read at most once. Returns (validated knobs, where they came from: "explicit", "cache",
+    "table", "autotune" or "heuristic").
 
-    knobs: a `knob_type` instance (used as is), a dict (overrides on top of the heuristic), or None /
-    "auto" (cache, else table, else heuristic; "auto" tuning itself happens elsewhere, on a cache miss).
+    knobs: a `knob_type` instance (used as is), a dict (overrides on top of the heuristic), None (cache, else
+    table, else heuristic) or "auto" (the same, with `tune()` instead of the heuristic on a miss: a shipped entry
+    counts as tuned).
     shipped: returns the shipped table's knobs for this layer (shim/common/knob_table.py), or None.
+    tune: runs the collective autotune and returns its winner (knobs="auto" only).
     """
     from shim.common.knob_cache import KnobCache
 
@@ -73,4 +77,6 @@ def resolve_knob_set(knobs, *, knob_type: Type[K], heuristic: Callable[[], K], v
     tuned = shipped() if shipped is not None else None
     if tuned is not None:
         return validate(knob_type.from_json(tuned)), "table"
+    if knobs == "auto" and tune is not None:
+        return validate(tune()), "autotune"
     return validate(heuristic()), "heuristic"

@@ -27,10 +27,8 @@ class Sm100Backend(KernelBackend):
         # them yet, so "auto" on a cache miss takes the measured profile.
         warnings.warn(f"{self.name}: knobs='auto' does not run a collective autotune on sm100 yet; using the "
                       "measured profile (a knob cache entry for this geometry would have been used first)",
-                      RuntimeWarning, stacklevel=3)
-        knobs, _ = self.knobs_module.resolve_knobs(None, fmt=self.fmt, max_tokens_per_rank=self.spec.max_tokens_per_rank,
-                                                   cache_key=self.knob_cache_key)
-        return knobs
+                      RuntimeWarning, stacklevel=6)
+        return self.knobs_module.heuristic_knobs(self.fmt, self.spec.max_tokens_per_rank)
 
 
 # Sm100Nvfp4Backend, Sm100Mxfp8Backend, Sm100Bf16Backend: the names the table's `target` strings give.

@@ -201,14 +201,20 @@ def autotune(make_frontend: Callable[[Sm90Knobs], object], weights, *, fmt: str,
              progress: bool = True) -> Tuple[Sm90Knobs, AutotuneResult]:
     """knobs="auto": every rank times the same candidates (default: candidate_knobs) on a balanced synthetic
     routing at `tokens` (default: the capacity); the slowest rank decides; rank 0 writes the winner to the
-    knob cache when $MOE_EP_KNOB_CACHE names one."""
+    knob cache when $MOE_EP_KNOB_CACHE names one. The weights are laid out once, by the first candidate, and
+    adopted by the others; the result keeps them (kernel_weights) for the caller's frontend."""
     cands = list(candidates) if candidates is not None else candidate_knobs(fmt, spec, world_size)
     t = tokens or spec.max_tokens_per_rank
+    laid_out = []  # the kernel weights, laid out by the first candidate that gets that far: the layout does not
+    # depend on the knobs, so the others adopt it (and so can the caller's frontend: result.kernel_weights)
 
     def time_candidate(knobs: Sm90Knobs):
         fe = make_frontend(knobs)
         try:
-            fe.load_weights(weights)
+            if laid_out:
+                fe.adopt_weights(laid_out[0])
+            else:
+                laid_out.append(fe.load_weights(weights))
             fe.compile()
             return time_frontend(fe, synthetic_inputs(spec, t, fe.device), iters=iters, quick=iters)[0]
         finally:
@@ -216,6 +222,7 @@ def autotune(make_frontend: Callable[[Sm90Knobs], object], weights, *, fmt: str,
 
     t0 = time.perf_counter()
     result = collective_autotune(cands, time_candidate, group=group, device=device, progress=progress)
+    result.kernel_weights = laid_out[0] if laid_out else None
     winner: Sm90Knobs = result.winner
     if cache is None:
         cache = KnobCache()

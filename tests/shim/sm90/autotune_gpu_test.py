@@ -1,4 +1,5 @@
-"""knobs="auto" on the GPU: a collective tune writes the knob cache; a second process finds it and compiles once."""
+"""knobs="auto" on the GPU: a collective tune writes the knob cache, and the tuned layer (its frontend adopts the weights
+the candidates shared) agrees with the oracle; a second process finds the cache entry and compiles once."""
 import json
 import os
 import subprocess
@@ -12,15 +13,18 @@ import moe_ep
 GEOM = dict(hidden_size=2048, intermediate_size=768, num_experts=16, top_k=4, max_tokens_per_rank=128)
 
 
-def _layer(knobs):
+def _weights():
     rank, world = 0, 1
     gen = torch.Generator().manual_seed(5)
     h, i, e = GEOM["hidden_size"], GEOM["intermediate_size"], GEOM["num_experts"]
     w13 = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).cuda()
-    spec = moe_ep.MoESpec(**GEOM)
-    weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world, num_experts=e)
-    return moe_ep.MoELayer(spec, weights, backend="sm90_fp8_cutedsl", device=torch.device("cuda"), knobs=knobs)
+    return moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world, num_experts=e)
+
+
+def _layer(knobs, weights=None):
+    return moe_ep.MoELayer(moe_ep.MoESpec(**GEOM), weights or _weights(), backend="sm90_fp8_cutedsl",
+                           device=torch.device("cuda"), knobs=knobs)
 
 
 def test_autotune_then_cache_reuse(dist_ctx, tmp_path, case_log, monkeypatch):
@@ -30,7 +34,8 @@ def test_autotune_then_cache_reuse(dist_ctx, tmp_path, case_log, monkeypatch):
     if os.path.exists(cache):
         os.remove(cache)
     monkeypatch.setenv("MOE_EP_KNOB_CACHE", cache)
-    layer = _layer("auto")
+    weights = _weights()
+    layer = _layer("auto", weights)
     res = layer.backend.autotune_result
     assert res is not None and layer.backend.knob_source == "autotune"
     entry = json.load(open(cache))["entries"]
@@ -38,9 +43,25 @@ def test_autotune_then_cache_reuse(dist_ctx, tmp_path, case_log, monkeypatch):
     (key, val), = entry.items()
     assert val["knobs"] == layer.backend.knobs.to_json()
     case_log(suite="sm90_autotune", key=key, candidates=[str(c) for c in
-             __import__("shim.sm90.tune", fromlist=["x"]).candidate_knobs("fp8_block", GEOM["max_tokens_per_rank"])],
+             __import__("shim.sm90.tune", fromlist=["x"]).candidate_knobs("fp8_block", moe_ep.MoESpec(**GEOM))],
              scores_us=res.scores_us, winner=str(res.winner), seconds=res.seconds,
              compiles=compile_cache.stats()["compiles"])
+    # The tuned layer serves the weights laid out once for the candidates: fresh inputs, a NaN-poisoned output,
+    # checked against the oracle over the weights the caller gave.
+    from moe_ep.reference.oracle import OUTPUT_TOLERANCE, check_multirank
+
+    gen = torch.Generator().manual_seed(11)
+    t, e, k = 100, GEOM["num_experts"], GEOM["top_k"]
+    x = torch.randn(t, GEOM["hidden_size"], generator=gen).to(torch.bfloat16).cuda()
+    idx = torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k].cuda()
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=-1).cuda()
+    out = torch.full((t, GEOM["hidden_size"]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    layer(x, idx, w, out=out)
+    tol = max(OUTPUT_TOLERANCE["fp8_block"], 0.75 / GEOM["intermediate_size"] ** 0.5)
+    report = check_multirank(layer, x, idx, w, out, weights=weights, tol=tol, raise_on_failure=False)
+    case_log(suite="sm90_autotune", case="tuned_layer_vs_oracle", rel_l2=report.mine(0).rel_l2_err, ok=report.ok)
+    assert report.ok, report.summary()
+    assert res.kernel_weights is None  # handed to the layer's frontend, not held twice
     layer.close()
     # A second process with the same key: cache hit, one compile.
     code = ("import json, torch, sys; sys.path[:0] = %r; from autotune_gpu_test import _layer; "

@@ -148,6 +148,46 @@ def test_stage_two_changes_one_scheduling_knob_at_a_time():
         assert all(getattr(c, f) == getattr(base, f) for f in CORRECTNESS_KNOBS if f not in changed)
 
 
+def test_the_in_layer_autotune_lays_the_weights_out_once(monkeypatch, tmp_path):
+    """knobs="auto": the first candidate lays the weights out, every other candidate adopts that layout (it does not
+    depend on the knobs), a candidate that fails does not stop the next from laying out, and the result keeps the
+    layout for the layer's own frontend."""
+    from shim.sm90 import tune
+    from shim.sm90.knobs import heuristic_knobs
+
+    events = []
+
+    class Frontend:
+        device = "cpu"
+
+        def __init__(self, knobs):
+            self.knobs = knobs
+            if knobs.flag_batch == 4:
+                raise ValueError("the kernel refuses this one")
+
+        def load_weights(self, weights):
+            events.append(("layout", self.knobs.flag_batch))
+            return ("laid out", weights)
+
+        def adopt_weights(self, kw):
+            events.append(("adopt", self.knobs.flag_batch, kw))
+
+        def compile(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tune, "synthetic_inputs", lambda *a, **k: None)
+    monkeypatch.setattr(tune, "time_frontend", lambda fe, inputs, **k: ([10.0 + fe.knobs.flag_batch], False))
+    base = heuristic_knobs("fp8_block", 128)
+    cands = [base.replace(flag_batch=f) for f in (4, 2, 1)]
+    winner, result = tune.autotune(Frontend, "W", fmt="fp8_block", spec=_spec(128), cache_key="k", candidates=cands,
+                                   cache=KnobCache(str(tmp_path / "c.json")), progress=False)
+    assert events == [("layout", 2), ("adopt", 1, ("laid out", "W"))]
+    assert winner.flag_batch == 1 and result.kernel_weights == ("laid out", "W")
+
+
 def test_correctness_and_perf_knobs_partition_the_knob_set():
     from dataclasses import fields
 
