@@ -19,28 +19,19 @@ class Backend:
     """Subclass and register (moe_ep.register_backend). Class attributes describe what it serves:
 
     name, arch ("cpu" | "sm90" | "sm100"), weight_formats (the fmt strings it accepts; the first is its
-    default), out_dtype. check_spec() states its capacity / divisibility rules so the layer can reject a spec
-    before any workspace is allocated.
+    default). Outputs are bf16 [T, H]. check_spec() states its capacity / divisibility rules so the layer can
+    reject a spec before any workspace is allocated. Backend options (MoELayer(..., **options)) are the
+    subclass's own constructor keywords.
     """
 
     name: ClassVar[str] = "abstract"
     arch: ClassVar[str] = "cpu"
     weight_formats: ClassVar[Tuple[str, ...]] = FORMATS
-    out_dtype: ClassVar[torch.dtype] = torch.bfloat16
 
-    def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None, **options):
+    def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None):
         self.spec = spec
         self.ctx = ctx
         self.fmt = fmt or self.weight_formats[0]
-        self.options = options
-
-    @property
-    def act_format(self) -> str:
-        return self.fmt
-
-    @property
-    def weight_format(self) -> str:
-        return self.fmt
 
     @classmethod
     def check_spec(cls, spec: MoESpec, fmt: str, world_size: int) -> List[Tuple[str, str]]:

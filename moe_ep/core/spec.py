@@ -54,8 +54,8 @@ class MoESpec:
 
 class LayerGeometry:
     """The geometry a layer and the objects serving it (backends, frontends) read, for any class that holds
-    `spec` (MoESpec) and `ctx` (moe_ep.core.dist.RankContext): one value each, named as MoESpec names it
-    (`capacity` is max_tokens_per_rank), so no layer below renames or re-derives them."""
+    `spec` (MoESpec) and `ctx` (moe_ep.core.dist.RankContext): one value each, named as MoESpec names it, so no
+    layer below renames or re-derives them."""
 
     __slots__ = ()
 
@@ -74,8 +74,6 @@ class LayerGeometry:
     @property
     def max_tokens_per_rank(self) -> int:
         return self.spec.max_tokens_per_rank
-
-    capacity = max_tokens_per_rank
 
     @property
     def experts_per_rank(self) -> int:

@@ -56,7 +56,8 @@ def _finalize() -> None:
 
 
 class SymmetricHeap:
-    """Collective allocator on the NVSHMEM heap; `close()` frees what it gave out (NVSHMEM stays up)."""
+    """Collective allocator on the NVSHMEM heap; `free()` gives an allocation back (NVSHMEM stays up, finalised at
+    exit)."""
 
     def __init__(self, *, group, rank: int, world_size: int, device: torch.device):
         global _initialised
@@ -66,7 +67,6 @@ class SymmetricHeap:
             if not _initialised:
                 _init_nvshmem(group, rank, world_size, device)
                 _initialised = True
-        self._open = True
 
     def zeros(self, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Zeroed symmetric tensor; 1-byte float types are carried as uint8 (nvshmem4py lacks them)."""
@@ -100,15 +100,3 @@ class SymmetricHeap:
         torch.cuda.synchronize(self.device)
         nvshmem.core.free_tensor(root)
         self._tensors = [b for b in self._tensors if b is not root]
-
-    def close(self) -> None:
-        """Collective: frees this heap's allocations (every rank, same order)."""
-        if not self._open:
-            return
-        import nvshmem.core
-
-        torch.cuda.synchronize(self.device)
-        for buf in reversed(self._tensors):
-            nvshmem.core.free_tensor(buf)
-        self._tensors.clear()
-        self._open = False

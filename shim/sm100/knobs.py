@@ -25,13 +25,13 @@ topk_reduce_persistent (off) and the MXFP8 column requant's grid (col_quant_num_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 from shim.common.knobs import InvalidKnobsError, KnobSet, resolve_knob_set
 from shim.sm100.formats import BACKENDS
 
 __all__ = ["KNOB_SPACE", "KERNEL_CLASS", "CORRECTNESS_KNOBS", "PERF_KNOBS", "Sm100Knobs",
-           "InvalidKnobsError", "heuristic_knobs", "resolve_knobs", "perf_candidates"]
+           "InvalidKnobsError", "heuristic_knobs", "resolve_knobs"]
 
 # moe_ep format -> the KNOB_SPACE entry (the drop's kernel class) its knob sets draw from. From the format table.
 KERNEL_CLASS = {row.fmt: row.knob_space for row in BACKENDS}
@@ -188,13 +188,3 @@ def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, 
     return resolve_knob_set(knobs, knob_type=Sm100Knobs, heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank),
                             validate=lambda k: k.validate(fmt), cache_key=cache_key, cache=cache, shipped=shipped,
                             tune=tune)
-
-
-def perf_candidates(base: Sm100Knobs, fmt: str) -> Dict[str, Sm100Knobs]:
-    """Output-invariant variations of `base` (perf knobs only) for a collective autotune, by label."""
-    out = {}
-    for gh in KNOB_SPACE[KERNEL_CLASS[fmt]]["group_hint"]:
-        for fb in (1, 4, 8):
-            k = base.replace(group_hint=gh, flag_batch=fb)
-            out[f"group_hint={gh},flag_batch={fb}"] = k.validate(fmt)
-    return out

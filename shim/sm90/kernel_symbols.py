@@ -26,7 +26,6 @@ from moe_hopper_fp8.heuristic_config import (  # noqa: E402
 _LAZY = {
     # moe_hopper_bf16 arrived with drop 0.7.4; lazy so the FP8 path also loads an older tree (side-by-side
     # drop benchmarks run the previous drop through this same shim).
-    "BF16_HEURISTIC_CONFIGS": ("moe_hopper_bf16.heuristic_config", "HEURISTIC_CONFIGS"),
     "select_bf16_heuristic_config": ("moe_hopper_bf16.heuristic_config", "select_heuristic_config"),
     "Sm90MegaMoEFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoEFp8Kernel"),
     "Sm90MegaMoESwapABFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABFp8Kernel"),

@@ -55,7 +55,7 @@ def _inputs(t=5):
 
 
 def test_good_call_and_defaults(layer):
-    assert layer.backend_name == "torch_reference" and layer.fmt == "bf16" and layer.capacity == C
+    assert layer.backend_name == "torch_reference" and layer.fmt == "bf16" and layer.max_tokens_per_rank == C
     x, idx, w = _inputs()
     out = layer(x, idx, w)
     assert out.shape == (5, H) and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()

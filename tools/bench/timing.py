@@ -47,17 +47,21 @@ def host_time_us(fn: Callable[[], None], iters: int = 20) -> float:
 
 
 def host_us_per_call(fn: Callable[[], None], n: int, blocks: int, sync: Callable[[], None] = torch.cuda.synchronize,
-                     idle: bool = False) -> float:
+                     idle: bool = False, pause_s: float = 0.0) -> float:
     """Host time per call, median over `blocks` blocks of `n` back-to-back calls, synchronised between blocks so
     the launch queue never fills. idle=True synchronises before every call too and times only the call (nothing
-    in it can wait on the device)."""
+    in it can wait on the device); pause_s > 0 sleeps that long on the host before every call and times only the
+    call (the CPU's caches and clocks cool down, as between the layers of a real step)."""
     per = []
     for _ in range(blocks):
         sync()
-        if idle:
+        if idle or pause_s > 0:
             total = 0.0
             for _ in range(n):
-                sync()
+                if idle:
+                    sync()
+                if pause_s > 0:
+                    time.sleep(pause_s)
                 t = time.perf_counter()
                 fn()
                 total += time.perf_counter() - t

@@ -83,15 +83,7 @@ COMPUTED_IMPORT_ALLOWED: Dict[Tuple[str, str], str] = {
 }
 
 # sys.path mutations outside shim/ that are allowed: (file, the statement or call as ast.unparse prints it) -> why.
-_REPO_ROOT_INSERT = "sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..')))"
-SYS_PATH_ALLOWED: Dict[Tuple[str, str], str] = {
-    ("tools/diag/sm90_fp8_first_light.py", _REPO_ROOT_INSERT):
-        "a diagnostic run as `python tools/diag/x.py` from a checkout: puts the checkout root (never a kernel tree) "
-        "first, so `import moe_ep` / `import shim` resolve; the kernel tree still comes only through the shim",
-    ("tools/diag/sm90_fp8_diag_tokens.py", _REPO_ROOT_INSERT):
-        "a diagnostic run as `python tools/diag/x.py` from a checkout: puts the checkout root (never a kernel tree) "
-        "first, so `import moe_ep` / `import shim` resolve; the kernel tree still comes only through the shim",
-}
+SYS_PATH_ALLOWED: Dict[Tuple[str, str], str] = {}
 
 # Files outside shim/ that rules 1 and 5-7 leave alone, each with the reason: tests whose job is to get around
 # the layering on purpose, to prove the run-time tree guard catches what this scan cannot.

@@ -237,7 +237,7 @@ def test_layers_of_different_geometry_and_format_share_one_workspace(dist_ctx, c
         for call in range(2 if round_ == 0 else 1):
             for j, lay in enumerate(layers):
                 gen = torch.Generator().manual_seed(shared_seed(rank + 10 * j))
-                t = 0 if (world > 1 and rank == 1 and j == 1) else min(lay.capacity, 37 + 50 * j)
+                t = 0 if (world > 1 and rank == 1 and j == 1) else min(lay.max_tokens_per_rank, 37 + 50 * j)
                 hidden = torch.randn(t, lay.spec.hidden_size, generator=gen).to(torch.bfloat16).cuda()
                 idx, w = routing(t, lay.spec.num_experts, lay.spec.top_k, False, gen, torch.device("cuda"))
                 out = torch.full((t, lay.spec.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
