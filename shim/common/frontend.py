@@ -86,6 +86,19 @@ class MegaMoEFrontend(Composed, LayerGeometry):
         self.graphs = GraphCache(lambda: self._pool.graph_pool)
         self._alloc()
 
+    @final
+    @classmethod
+    def unbuilt(cls, spec: MoESpec, ctx: RankContext, knobs, *, kernel_format: Optional[KernelFormat] = None,
+                max_active_clusters: int):
+        """A frontend holding only what build_kernel reads (no device, no kernel, no buffers): the tuner's build
+        check asks the kernel's constructor with it."""
+        fe = object.__new__(cls)
+        if kernel_format is not None:
+            fe._format, fe.fmt = kernel_format, kernel_format.fmt
+        fe.spec, fe.ctx, fe.knobs, fe.compile_only = spec, ctx, knobs, True
+        fe.max_active_clusters = int(max_active_clusters)
+        return fe
+
     @property
     def format(self) -> KernelFormat:
         """This frontend's row of the arch's format table."""

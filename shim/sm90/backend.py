@@ -19,7 +19,8 @@ class Sm90Backend(KernelBackend):
 
         w = self.ctx.world_size
         cands = tune.candidate_knobs(self.fmt, self.spec, w,
-                                     build_check=tune.build_check(self.frontend_class(), self.spec, w))
+                                     build_check=tune.build_check(self.frontend_class(), self.spec, w,
+                                                                  kernel_format=self.format))
         winner, self.autotune_result = tune.autotune(self.make_frontend, weights, fmt=self.fmt, spec=self.spec,
                                                      cache_key=self.knob_cache_key, world_size=w, candidates=cands,
                                                      group=self.ctx.group, device=self.ctx.comm_device)

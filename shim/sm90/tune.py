@@ -136,14 +136,15 @@ def _keep(cands: Iterable[Sm90Knobs], limit: int, accepts, exclude=()) -> List[S
     return out
 
 
-def build_check(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132):
+def build_check(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132,
+                kernel_format=None):
     """accepts(knobs) -> bool: whether the kernel's constructor takes this knob set for this geometry (no
-    buffers, no compile: the constructor is where the kernel states what it refuses)."""
+    buffers, no compile: the constructor is where the kernel states what it refuses). kernel_format: the table
+    row (default: the frontend class's own)."""
 
     def accepts(knobs: Sm90Knobs) -> bool:
-        fe = object.__new__(frontend_cls)  # the constructor arguments, without the frontend's buffers
-        fe.spec, fe.ctx, fe.knobs, fe.compile_only = spec, RankContext.detached(0, world_size), knobs, True
-        fe.max_active_clusters = max_active_clusters
+        fe = frontend_cls.unbuilt(spec, RankContext.detached(0, world_size), knobs, kernel_format=kernel_format,
+                                  max_active_clusters=max_active_clusters)
         try:
             fe.build_kernel(knobs)
             return True

@@ -69,5 +69,20 @@ def test_a_knob_set_the_kernel_rejects_is_a_typed_error_before_compiling():
     assert e.value.argument == "knobs"
 
 
+def test_the_tuners_build_check_asks_the_kernels_constructor():
+    """shim.sm90.tune.build_check: the kernel's constructor alone (no buffers, no compile) says which knob sets it
+    takes, for the format table row the check is given."""
+    from shim.sm90.formats import BACKENDS
+    from shim.sm90.knobs import heuristic_knobs
+    from shim.sm90.tune import build_check
+
+    row = BACKENDS.row("fp8_block")
+    accepts = build_check(row.frontend_class(), _spec(1024), kernel_format=row)
+    base = heuristic_knobs("fp8_block", 1024)
+    assert accepts(base)
+    assert not accepts(base.replace(swap_ab=False, mma_tiler_mnk=(64, 256, 128), cluster_shape_mnk=(1, 1, 1),
+                                    pingpong=True))
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
