@@ -32,6 +32,7 @@ def main(argv: Optional[list] = None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     from moe_ep.core import watchdog as wd
+    from moe_ep.core.watchdog import events, monitor, ring
     from tools.bench.timing import host_us_per_call
 
     dev = torch.cuda.current_device()
@@ -44,17 +45,17 @@ def main(argv: Optional[list] = None) -> int:
     results: Dict[str, object] = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__}
     times: Dict[str, float] = {}
 
-    driver = wd._Cuda()
+    driver = events.CudaEvents()
     driver.bind("driver")
-    tch = wd._Cuda()
+    tch = events.CudaEvents()
     tch.bind("torch")
     results["driver_path_available"] = driver.kind == "driver"
 
-    def watch(kind: Optional["wd._Cuda"] = None):  # a watch on a private monitor (no threads, no peers)
-        m = wd._Monitor(threads=False)
+    def watch(kind: Optional["events.CudaEvents"] = None):  # a watch on a private monitor (no threads, no peers)
+        m = monitor.Monitor(threads=False)
         w = wd.Watch("cost", wd.Bound(60.0, "test"), [0], 0, "cpu", monitor=m)
         if kind is not None:
-            w._dev, w._evs, w._raw, w._rec = dev, kind.new_events(dev, wd.RING), kind.raw_stream, kind.record
+            w._dev, w._evs, w._raw, w._rec = dev, kind.new_events(dev, ring.RING), kind.raw_stream, kind.record
         return w
 
     def pairs(w):
@@ -113,7 +114,7 @@ def main(argv: Optional[list] = None) -> int:
         checks["event recorded inside a capture: the capture stays valid and replays"] = rc_capture == 0 and float(
             x[0]) == 2.0
         checks["event recorded inside a capture: the query answers with an error, counted finished"] = (
-            q != wd._NOT_READY and driver.query(captured))
+            q != events.NOT_READY and driver.query(captured))
         results["captured_event_query_code"] = q
         results["record_in_capture_code"] = rc_capture
     results["checks"] = checks
