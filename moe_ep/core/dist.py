@@ -15,9 +15,10 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_ep.core.errors import PeerValidationError, ProcessGroupEnvError, ProcessGroupError
+from moe_ep.core.errors import MoEError, PeerLostError, PeerValidationError, ProcessGroupEnvError, ProcessGroupError
 
-__all__ = ["RankContext", "init_from_env", "agree", "run_agreed", "all_to_all_rows", "all_gather_tensor", "DEFAULT_TIMEOUT_S"]
+__all__ = ["RankContext", "init_from_env", "agree", "run_agreed", "all_to_all_rows", "all_gather_tensor", "DEFAULT_TIMEOUT_S",
+           "peer_lost"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -160,14 +161,20 @@ def agree(ctx: RankContext, error: Optional[BaseException], what: str = "inputs"
     flags = torch.zeros(ctx.world_size, dtype=torch.int32, device=ctx.comm_device)
     if error is not None:
         flags[ctx.rank] = 1
-    dist.all_reduce(flags, group=ctx.group)
+    try:
+        dist.all_reduce(flags, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, f"the agreement on {what}") from None
     failing = [r for r, f in enumerate(flags.tolist()) if f]
     if not failing:
         return
     # Failure path only: learn why the peers failed (one object gather; cheap next to a failed call).
     mine = None if error is None else (type(error).__name__, getattr(error, "argument", None), str(error))
     gathered: List[object] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, mine, group=ctx.group)
+    try:
+        dist.all_gather_object(gathered, mine, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, f"the agreement on {what}") from None
     if error is not None:
         raise error
     first = gathered[failing[0]]
@@ -196,14 +203,26 @@ def _bytes2d(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
 
 
-def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts: torch.Tensor):
+def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts: torch.Tensor,
+                    header: Optional[Sequence[int]] = None):
     """Send row blocks: rows are [N, ...] tensors sorted by destination rank, send_counts [W] how many rows go
     to each rank. Returns (received tensors with the same trailing shapes/dtypes, recv_counts [W] on cpu).
-    The tensors are packed into one byte matrix so a single payload collective moves them all."""
+    The tensors are packed into one byte matrix so a single payload collective moves them all.
+    header: a few int64 this rank sends every peer with its counts (every rank must pass as many); then returns
+    (tensors, recv_counts, headers [W, len(header)] on cpu: row r is what rank r sent)."""
     dev = ctx.comm_device
     counts = send_counts.to(device=dev, dtype=torch.int64)
+    if header is not None:
+        counts = torch.cat([counts.view(-1, 1), torch.tensor([list(header)], dtype=torch.int64, device=dev).expand(
+            counts.shape[0], len(header))], dim=1)
     recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=ctx.group)
+    try:
+        dist.all_to_all_single(recv_counts, counts, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, "an all_to_all") from None
+    headers = None
+    if header is not None:
+        headers, recv_counts, counts = recv_counts[:, 1:].cpu(), recv_counts[:, 0].contiguous(), counts[:, 0]
     send_list = counts.tolist()
     recv_list = recv_counts.tolist()
     widths = []
@@ -216,14 +235,19 @@ def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts:
     total = sum(widths)
     n_recv = sum(recv_list)
     recv = torch.empty((n_recv, total), dtype=torch.uint8, device=dev)
-    dist.all_to_all_single(recv.view(-1), payload.contiguous().view(-1).to(dev),
-                           [c * total for c in recv_list], [c * total for c in send_list], group=ctx.group)
+    try:
+        dist.all_to_all_single(recv.view(-1), payload.contiguous().view(-1).to(dev),
+                               [c * total for c in recv_list], [c * total for c in send_list], group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, "an all_to_all") from None
     out = []
     off = 0
     for t, width in zip(rows, widths):
         chunk = recv[:, off:off + width].contiguous()
         off += width
         out.append(chunk.view(t.dtype).reshape((n_recv,) + tuple(t.shape[1:])))
+    if headers is not None:
+        return out, recv_counts.cpu(), headers
     return out, recv_counts.cpu()
 
 
@@ -232,6 +256,51 @@ def all_gather_tensor(ctx: RankContext, t: torch.Tensor) -> torch.Tensor:
     src = t.contiguous().to(ctx.comm_device)
     b = src.view(torch.uint8) if src.dim() else src.reshape(1).view(torch.uint8)
     outs = [torch.empty_like(b) for _ in range(ctx.world_size)]
-    dist.all_gather(outs, b, group=ctx.group)
+    try:
+        dist.all_gather(outs, b, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, "an all_gather") from None
     parts = [o.view(t.dtype).reshape(t.shape if t.dim() else (1,)) for o in outs]
     return torch.cat(parts, dim=0)
+
+
+# A peer that is gone: gloo raises at once with its own words (the connection closed) or after the group's
+# timeout; those become PeerLostError naming the peers whose watchdog heartbeats stopped.
+_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Connection refused", "Broken pipe",
+              "Timed out waiting", "gloo/transport", "Socket closed", "Read error", "Write error")
+
+
+def peer_lost(ctx: RankContext, e: BaseException, what: str) -> BaseException:
+    """The error to raise for `e`, raised by a collective of `what`: PeerLostError when the transport lost a peer,
+    `e` itself otherwise."""
+    text = str(e)
+    if isinstance(e, MoEError) or not (isinstance(e, getattr(dist, "DistError", ())) or
+                                       any(m in text for m in _TRANSPORT)):
+        return e
+    ranks = list(range(ctx.world_size))
+    try:
+        ranks = list(dist.get_process_group_ranks(ctx.group if ctx.group is not None else dist.group.WORLD))
+    except Exception:  # noqa: BLE001 - a group torch cannot describe: group ranks as they are
+        pass
+    try:
+        from moe_ep.core.watchdog import store
+
+        gone, note = store.gone(ranks)
+    except Exception as ex:  # noqa: BLE001 - the error must still come
+        gone, note = [], f"the heartbeats could not be read ({type(ex).__name__}: {ex})"
+    group_gone = [ranks.index(g) for g in gone if g in ranks]
+    timed_out = "Timed out" in text
+    if group_gone:
+        who = ", ".join(f"rank {r}" + (f" (global {ranks[r]})" if ranks[r] != r else "") for r in group_gone)
+        head = f"{who} of the group left it during {what}: its process is gone (its watchdog heartbeat stopped)"
+    elif timed_out:
+        head = f"a peer did not arrive within the process group's timeout during {what}"
+    else:
+        head = (f"a peer left the process group during {what}; which one cannot be told: no heartbeat stopped (its "
+                "watchdog is off, or its process lives without its connection)")
+    first = (text.splitlines() or [""])[0][:300]
+    detail = f"{head}. This rank (rank {ctx.rank} of {ctx.world_size}) cannot go on with it: end the job and restart " \
+             f"its ranks. The transport said: {first}"
+    if note and not group_gone:
+        detail += f" ({note})"
+    return PeerLostError(None, detail, ranks=group_gone, transport=first)

@@ -14,9 +14,17 @@ One concern a module, imported in this order (no module imports one below it):
   verdict   classifying the peers, the one message, the end of the process (pure but for emit / end)
   events    the CUDA event recorder of the hot path (cuEventRecord through ctypes, or torch's events)
   store     the heartbeats in the process group's store: connect, publish, read (bounded)
+  sequence  each group's sequence of collective calls (the hot path's part) and its digest
+  divergence  where ranks' sequences part, who left the others, the message; the in-band check
   ring      the process-wide ring of calls in flight and their confirmation
   monitor   the monitor and heartbeat threads, the deadlines, the trip
   watches   Watch (begin / end: the hot path), watch(), watch_layer()
+
+Ranks out of step: every collective call of a group (a layer's forward, a collective watch's call) is logged as
+(layer, its call number) at the group's collective call number; the heartbeats publish digests of the logs and
+the monitor compares them with a peer's, so a rank that skips a call, makes one more or calls another layer is
+named with the first call where the ranks part (exit 86). A backend whose exchange can carry the fingerprint
+(the torch reference) raises RankDivergenceError in that very call instead.
 """
 
 from moe_ep.core.watchdog.bound import (DEFAULT_BASE_S, DEFAULT_FACTOR, FIRST_CALL_S, HEARTBEAT_S, POLL_S,

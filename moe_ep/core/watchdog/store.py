@@ -11,14 +11,14 @@ import datetime
 import json
 import threading
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from moe_ep.core.watchdog.bound import HEARTBEAT_S, STORE_TIMEOUT_S
 
 __all__ = ["PREFIX", "LINGER_S", "global_rank", "heartbeat_key", "store_address", "connect", "bounded", "read_once",
-           "read_peers", "store_unreachable", "linger"]
+           "read_peers", "store_unreachable", "linger", "gone"]
 
 PREFIX = "moe_ep/watchdog/"
 LINGER_S = 3.0
@@ -148,3 +148,18 @@ def linger(store, ranks: Sequence[int]) -> None:
         if not reading and time.monotonic() >= t_min:
             return
         time.sleep(0.1)
+
+
+def gone(ranks: Sequence[int]) -> Tuple[List[int], Optional[str]]:
+    """Which of these global ranks (this process's excepted) are gone, from their heartbeats read twice: those
+    whose beat stopped, and global rank 0 when the store it hosts cannot be reached. Nothing is named for a rank
+    that never published one (its watchdog is off). (gone, note on the store)"""
+    peers, reachable, note = read_peers(ranks)
+    out = []
+    for g, (first, second) in sorted(peers.items()):
+        if second is None:
+            if not reachable and g == 0:
+                out.append(g)
+        elif first is not None and int(second.get("beat", 0)) <= int(first.get("beat", 0)):
+            out.append(g)
+    return out, note

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import threading
 from time import monotonic as _monotonic
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from moe_ep.core.errors import WatchdogConfigError
 from moe_ep.core.watchdog import events
 from moe_ep.core.watchdog import monitor as monitor_
 from moe_ep.core.watchdog.bound import Bound, parse_timeout
 from moe_ep.core.watchdog.ring import DEVICE, FREE, HOST, MASK, RING, Ring
+from moe_ep.core.watchdog.sequence import LOG_MASK, GroupLog, group_ranks, log_for
 
 __all__ = ["Watch", "Off", "watch", "watch_layer"]
 
@@ -32,14 +32,18 @@ class Watch:
     `with w:` does the same for a caller's own code, e.g. the replay of a graph that captured moe_ep forwards.
 
     started / returned: calls begun / returned on the host on this rank (1-based call numbers). Calls are
-    numbered whether or not they could be watched (nested in another watched call, or 4096 calls in flight)."""
+    numbered whether or not they could be watched (nested in another watched call, or 4096 calls in flight).
+    log / code: the group's sequence of collective calls (sequence.py) and this watch's identity in it, for a
+    layer or a collective watch of a group of two ranks or more; None / 0 otherwise."""
 
-    __slots__ = ("name", "bound", "ranks", "group_rank", "started", "returned", "slowest", "_m", "_dev", "_evs",
-                 "_raw", "_rec", "_slot", "closed", "__weakref__")
+    __slots__ = ("name", "bound", "ranks", "group_rank", "started", "returned", "slowest", "code", "_log", "_m",
+                 "_dev", "_evs", "_raw", "_rec", "_slot", "closed", "__weakref__")
 
     def __init__(self, name: str, bound: Bound, ranks: Sequence[int], group_rank: int, device=None,
-                 monitor: Optional[Ring] = None):
+                 monitor: Optional[Ring] = None, log: Optional[GroupLog] = None, code: int = 0):
         self.name = name
+        self.code = code
+        self._log = log
         self.bound = bound
         self.ranks = tuple(int(r) for r in ranks)  # the group's members, as global ranks
         self.group_rank = int(group_rank)
@@ -60,10 +64,21 @@ class Watch:
 
     # hot path ----------------------------------------------------------------------------------------------
     def begin(self) -> int:
-        """A call starts: its sequence number, or -1 when it cannot be watched (it is counted all the same)."""
-        m = self._m
+        """A call starts: its sequence number, or -1 when it cannot be watched (it is counted all the same).
+        A call of a group whose ranks fell out of step is refused (RankDivergenceError, sequence.py)."""
         n = self.started + 1
+        lg = self._log
+        if lg is not None:
+            if lg.diverged is not None:
+                lg.refuse()
+            s = lg.seq
+            j = s & LOG_MASK
+            lg.codes[j] = self.code
+            lg.calls[j] = n
+            lg.seq = s + 1
+            lg.cur = self
         self.started = n
+        m = self._m
         if m.depth:  # nested in a watched call (or another thread's): the outer one covers it
             return -1
         g = m.next_g
@@ -162,17 +177,6 @@ def _unique(name: str) -> str:
     return name if k == 1 else f"{name} ({k})"
 
 
-def _group_ranks(group) -> Tuple[List[int], int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [0], 0
-    g = group if group is not None else dist.group.WORLD
-    try:
-        ranks = list(dist.get_process_group_ranks(g))
-    except Exception:  # noqa: BLE001 - a group torch cannot describe: this process alone
-        ranks = [dist.get_rank()]
-    return ranks, dist.get_rank(g)
-
-
 def watch_layer(name: Optional[str], bound: Optional[Bound], group, device) -> Tuple[str, Optional[Watch]]:
     """(the layer's name, its Watch or None when the watchdog is off). Default names count layers in creation
     order ("moe_ep layer #1", ...), the same on every rank since layers are built collectively."""
@@ -180,13 +184,20 @@ def watch_layer(name: Optional[str], bound: Optional[Bound], group, device) -> T
         _layer_count[0] += 1
         k = _layer_count[0]
     name = _unique(name if name else f"moe_ep layer #{k}")
+    ranks, me = group_ranks(group)
+    log, code = _sequence(group, name, False)  # taken with the watchdog off too: codes stay aligned
     if bound is None:
         return name, None
-    ranks, me = _group_ranks(group)
-    return name, Watch(name, bound, ranks, me, device)
+    return name, Watch(name, bound, ranks, me, device, log=log, code=code)
 
 
-def watch(name: str, *, group=None, device=None, timeout_s=None):
+def _sequence(group, name: str, collective_watch: bool):
+    """The group's log and the next identity in it; (None, 0) for a group of one (it cannot fall out of step)."""
+    log = log_for(group)
+    return (log, log.new_code(name, collective_watch)) if log is not None else (None, 0)
+
+
+def watch(name: str, *, group=None, device=None, timeout_s=None, collective: bool = False):
     """A reusable watch for a caller's own calls, e.g. the replay of a CUDA graph that captured moe_ep forwards
     (moe_ep does not see those replays):
 
@@ -197,13 +208,20 @@ def watch(name: str, *, group=None, device=None, timeout_s=None):
     device: where the watched work runs (default: the current CUDA device if there is one, else the CPU);
     group: whose heartbeats to read when it trips (default: the default group). Make it once and reuse it (each
     watch() is a new watch with a name of its own; close() one that is done). Returns a no-op context manager
-    when the watchdog is off (timeout_s=0 or MOE_EP_TIMEOUT_S=0)."""
+    when the watchdog is off (timeout_s=0 or MOE_EP_TIMEOUT_S=0).
+    collective: every rank of the group makes this watch's calls, in the same order relative to the group's layer
+    calls (the replay of a graph every rank captured alike): they join the group's sequence of collective calls,
+    so a rank that skips a replay, adds one or replays another graph is caught (docs/watchdog.md). Make the
+    collective watches of a group in the same order on every rank."""
     if not isinstance(name, str) or not name:
         raise WatchdogConfigError("name", f"expected a non-empty string, got {name!r}")
     bound = parse_timeout(timeout_s, where="moe_ep.watch(timeout_s=...)")
+    ranks, me = group_ranks(group)
+    name = _unique(name)
+    # A collective watch takes its identity with the watchdog off too: identities stay aligned across ranks.
+    log, code = _sequence(group, name, True) if collective else (None, 0)
     if bound is None:
         return Off()
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    ranks, me = _group_ranks(group)
-    return Watch(_unique(name), bound, ranks, me, device)
+    return Watch(name, bound, ranks, me, device, log=log, code=code)
