@@ -404,7 +404,8 @@ def run_all(args) -> int:
     return 0 if ok else 1
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The arguments, checked, with the defaults that depend on others filled in."""
     args = _parser().parse_args(argv)
     if args.all == args.rank:
         _parser().error("give exactly one of --all / --rank")
@@ -416,6 +417,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.calls = 40 if args.in_band else 400
     if args.bound is None:
         args.bound = 20.0 if args.in_band else (5.0 if args.device == "cuda" else 2.0)
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse(argv)
     return run_all(args) if args.all else rank_main(args)
 
 

@@ -146,7 +146,7 @@ class Monitor(Ring):
         seq = {}
         if self.compare_sequences:
             for lg in sequence.logs():
-                if len(lg.ranks) > 1:
+                if len(lg.ranks) > 1 and lg.open > 0:
                     seq[lg.key] = {"n": lg.seq, "cp": sorted(lg.digest().items()), "lost": lg.lost}
         return json.dumps({"beat": self.beat, "t": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
                            "calls": self.progress(), "tripped": self.tripped_info, "seq": seq})
@@ -160,7 +160,7 @@ class Monitor(Ring):
         me = store.global_rank()
         beats: dict = {}
         for lg in sequence.logs():
-            if len(lg.ranks) < 2 or lg.lost:
+            if not lg.live:
                 continue
             raw = conn.get(_alarm_key(lg)) if conn.check([_alarm_key(lg)]) else None
             if raw is not None:
@@ -271,12 +271,12 @@ class Monitor(Ring):
             states = verdict.classify_peers(owner.name, call, peers, owner.ranks, owner.group_rank, reachable)
         except Exception as e:  # noqa: BLE001 - still say what is known, and still end
             peers, states, store_note = {}, [], f"the peers could not be read ({type(e).__name__}: {e})"
-        alarm = self._out_of_step(owner, peers)
+        lg, alarm = self._out_of_step(peers)
         if alarm is not None and conn is not None:
             # The call waits because the ranks are out of step: say that, with the first call where they part.
             where = "returned on the host; the device has not finished it" if st == DEVICE else "still inside the " \
                 "forward on the host"
-            self.diverged(conn, owner._log, alarm, held=True,
+            self.diverged(conn, lg, alarm, held=True,
                           note=f"{owner.name!r} call {call} has not finished after {waited:.1f} s ({where})")
         text = verdict.format_message(name=owner.name, call=call, rank=owner.group_rank, world=len(owner.ranks),
                                       waited_s=waited, on_device=(st == DEVICE),
@@ -292,20 +292,24 @@ class Monitor(Ring):
                 store.linger(conn, alive)
         verdict.end()
 
-    def _out_of_step(self, owner, peers) -> Optional[dict]:
-        """An alarm for the tripped watch's group when its digests and a peer's (just read) part."""
-        lg = getattr(owner, "_log", None)
-        if lg is None or not self.compare_sequences or lg.lost:
-            return None
-        mine = lg.digest()
-        for r, g in enumerate(lg.ranks):
-            theirs = (((peers.get(g) or (None, None))[1] or {}).get("seq") or {}).get(lg.key)
-            if r == lg.group_rank or not theirs or theirs.get("lost"):
+    def _out_of_step(self, peers):
+        """(log, alarm) for a group whose digests and a peer's (just read) part; (None, None) when none do. Every
+        live group: a stalled caller's watch (a graph replay) may hold the calls of any."""
+        if not self.compare_sequences:
+            return None, None
+        for lg in sequence.logs():
+            if not lg.live or lg.diverged is not None:
                 continue
-            found = divergence.compare(mine, {int(s): h for s, h in theirs["cp"]})
-            if found is not None:
-                return {"by": store.global_rank(), "peer": r, "s0": found[0], "s1": found[1], "t": time.time()}
-        return None
+            mine = lg.digest()
+            for r, g in enumerate(lg.ranks):
+                theirs = (((peers.get(g) or (None, None))[1] or {}).get("seq") or {}).get(lg.key)
+                if r == lg.group_rank or not theirs or theirs.get("lost"):
+                    continue
+                found = divergence.compare(mine, {int(s): h for s, h in theirs["cp"]})
+                if found is not None:
+                    return lg, {"by": store.global_rank(), "peer": r, "s0": found[0], "s1": found[1],
+                                "t": time.time()}
+        return None, None
 
     def _publish(self, conn) -> None:
         if conn is not None:

@@ -60,6 +60,7 @@ class GroupLog:
         self.halting = False       # ... by waiting for the watchdog to end the process, rather than raising
         self.names: Dict[int, str] = {}
         self._count = [0, 0]       # layers, collective watches made in this group
+        self.open = 0              # watches open on it: a log none is open on is neither published nor compared
         self._lock = threading.Lock()
         # the digest (heartbeat thread only)
         self.hashed = 0
@@ -78,6 +79,15 @@ class GroupLog:
             code = 2 * self._count[kind] + kind
             self.names[code] = name
         return code
+
+    def opened(self, k: int) -> None:
+        with self._lock:
+            self.open += k
+
+    @property
+    def live(self) -> bool:
+        """Published and compared: two ranks or more, a watch open on it, no calls lost."""
+        return len(self.ranks) > 1 and self.open > 0 and not self.lost
 
     def name_of(self, code: int) -> str:
         return self.names.get(code, f"layer #{code // 2}" if code % 2 == 0 else f"collective watch #{code // 2}")

@@ -60,6 +60,8 @@ class Watch:
             self._evs = self._m.cuda_events(index)
             self._raw, self._rec = events.cuda.raw_stream, events.cuda.record  # bound once: the hot path looks up nothing
             self._dev = index
+        if log is not None:
+            log.opened(1)
         self._m.add(self)
 
     # hot path ----------------------------------------------------------------------------------------------
@@ -146,6 +148,8 @@ class Watch:
         if not self.closed:
             self.closed = True
             self._m.remove(self)
+            if self._log is not None:
+                self._log.opened(-1)
 
     def __repr__(self):
         return f"Watch({self.name!r}, calls={self.started}, bound={self.bound})"
