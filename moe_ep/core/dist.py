@@ -209,12 +209,14 @@ def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts:
     to each rank. Returns (received tensors with the same trailing shapes/dtypes, recv_counts [W] on cpu).
     The tensors are packed into one byte matrix so a single payload collective moves them all.
     header: a few int64 this rank sends every peer with its counts (every rank must pass as many); then returns
-    (tensors, recv_counts, headers [W, len(header)] on cpu: row r is what rank r sent)."""
+    (tensors, recv_counts, headers: a list with, for each rank r, the list rank r sent)."""
     dev = ctx.comm_device
     counts = send_counts.to(device=dev, dtype=torch.int64)
-    if header is not None:
-        counts = torch.cat([counts.view(-1, 1), torch.tensor([list(header)], dtype=torch.int64, device=dev).expand(
-            counts.shape[0], len(header))], dim=1)
+    if header is not None:  # one wider counts exchange: a few host ops more, no extra collective
+        send_list = counts.tolist()
+        width = 1 + len(header)
+        counts = torch.tensor([v for c in send_list for v in (c, *header)], dtype=torch.int64,
+                              device=dev).view(-1, width)
     recv_counts = torch.empty_like(counts)
     try:
         dist.all_to_all_single(recv_counts, counts, group=ctx.group)
@@ -222,9 +224,12 @@ def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts:
         raise peer_lost(ctx, e, "an all_to_all") from None
     headers = None
     if header is not None:
-        headers, recv_counts, counts = recv_counts[:, 1:].cpu(), recv_counts[:, 0].contiguous(), counts[:, 0]
-    send_list = counts.tolist()
-    recv_list = recv_counts.tolist()
+        got = recv_counts.tolist()
+        recv_list, headers = [g[0] for g in got], [g[1:] for g in got]
+        recv_counts = recv_counts.select(1, 0).contiguous()
+    else:
+        send_list = counts.tolist()
+        recv_list = recv_counts.tolist()
     widths = []
     parts = []
     for t in rows:

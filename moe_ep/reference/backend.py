@@ -93,7 +93,7 @@ class TorchReferenceBackend(Backend):
         mine = self._seq.fingerprint() if self._seq is not None else (0, 0, 0)
         recv, recv_counts, theirs = all_to_all_rows(ctx, rows, send_counts, header=mine)
         if self._seq is not None:
-            divergence.in_band(self._seq, mine, theirs.tolist())
+            divergence.in_band(self._seq, mine, theirs)
 
         r_act = QuantizedActivation(act.fmt, recv[0], recv[1] if sent.scale is not None else None)
         terms = self.compute_experts(qw, r_act, recv[-2].to(torch.int64), recv[-1])

@@ -167,10 +167,12 @@ def main(argv: Optional[list] = None) -> int:
         times["torch _CudaEventBase.record(ev, stream)"] = per_call_us(lambda: base(ev, stream))
         times["torch.cuda.Event.record()"] = per_call_us(ev.record)
 
-    layer_us, layer_diff = _layer_call(torch, cuda, sync)
+    layer_us, layer_diff, exchange = _layer_call(torch, cuda, sync)
     results["per_call_us"] = times
     results["eager_layer_call_us"] = layer_us
     results["eager_layer_call_minus_watch_off_us"] = layer_diff
+    if exchange is not None:
+        results["reference_exchange_us"], results["reference_exchange_minus_counts_only_us"] = exchange
     results["checks"] = checks = _cuda_checks(torch, driver, dev, sync) if cuda else {}
 
     width = max(len(k) for k in times)
@@ -181,6 +183,11 @@ def main(argv: Optional[list] = None) -> int:
     for k, v in layer_us.items():
         d = f"  ({layer_diff[k]:+.3f} vs watch off)" if k in layer_diff else ""
         print(f"  {k:<44}  {v:8.3f} us{d}")
+    if exchange is not None:
+        print("\nthe torch reference's counts exchange (gloo, one rank), alternating rounds:")
+        for k, v in exchange[0].items():
+            d = f"  ({exchange[1][k]:+.3f} vs counts only)" if k in exchange[1] else ""
+            print(f"  {k:<44}  {v:8.3f} us{d}")
     for k, ok in checks.items():
         print(f"{'ok' if ok else 'FAILED'}: {k}")
     if args.out:
@@ -244,10 +251,33 @@ def _layer_call(torch, cuda: bool, sync):
                                                                "watch on, group of 2 (+ the call log)": on_log}, sync)
     on()
     layer.close()
+    ex = None
+    if not cuda:
+        # The torch reference's first exchange (the row counts), bare and with the fingerprint it carries, checked
+        # in band as the backend does: what the torch reference adds to its every call (gloo, one rank).
+        from moe_ep.core.dist import RankContext, all_to_all_rows
+        from moe_ep.core.watchdog import divergence
+
+        ctx = RankContext.from_group(None, "cpu")
+        rows = [torch.zeros(16, 64, dtype=torch.uint8)]
+        counts = torch.tensor([16])
+        fp = (2, 7, 9)
+
+        def bare():
+            all_to_all_rows(ctx, rows, counts)
+
+        def carried():
+            _, _, theirs = all_to_all_rows(ctx, rows, counts, header=fp)
+            divergence.in_band(lg, fp, theirs)
+
+        state = {"fn": bare}
+        ex = _paired(lambda: state["fn"](), {"counts only": lambda: state.update(fn=bare),
+                                             "counts + fingerprint, checked in band": lambda: state.update(fn=carried)},
+                     sync, n=100)
     if own_group:
         dist.destroy_process_group()
     tmp.cleanup()
-    return us, diff
+    return us, diff, ex
 
 
 def _cuda_checks(torch, driver, dev, sync) -> Dict[str, bool]:
