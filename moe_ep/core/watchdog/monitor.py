@@ -184,8 +184,8 @@ class Monitor(Ring):
                 continue
             found = divergence.compare(lg.digest(), {int(s): h for s, h in theirs["cp"]})
             if found is not None:
-                self.diverged(conn, lg, {"by": me, "peer": lg.ranks.index(peer), "s0": found[0], "s1": found[1],
-                                         "t": time.time()})
+                self.diverged(conn, lg, {"by": lg.group_rank, "peer": lg.ranks.index(peer), "s0": found[0],
+                                         "s1": found[1], "t": time.time()})
                 return
 
     def diverged(self, conn, lg, alarm: dict, note: str = "", held: bool = False) -> None:
@@ -204,6 +204,24 @@ class Monitor(Ring):
         lg.halting = True  # from here on nothing of this group runs on this rank
         self.tripped_info = {"name": f"group {lg.key}", "call": alarm.get("s1"), "stage": "reading"}
         self._publish(conn)
+        try:
+            text, missing = self._divergence_message(conn, lg, alarm, seen_at, note)
+        except Exception as e:  # noqa: BLE001 - say what is known, and still end
+            text = (f"moe_ep watchdog: rank {lg.group_rank} of {len(lg.ranks)}: the ranks of the group of global ranks "
+                    f"{list(lg.ranks)} fell out of step (at or before group call {alarm.get('s1')}, seen by rank "
+                    f"{alarm.get('by')}); the calls around it could not be gathered ({type(e).__name__}: {e}).\n"
+                    "  Ranks out of step cannot be put back in step from the host: this process ends now (exit code "
+                    "86).\n")
+            missing = []
+        verdict.emit(text)
+        self.tripped_info = dict(self.tripped_info, stage="ending")
+        self._publish(conn)
+        if store.global_rank() == 0:
+            store.linger(conn, [g for r, g in enumerate(lg.ranks) if r != lg.group_rank and r not in missing])
+        verdict.end()
+
+    def _divergence_message(self, conn, lg, alarm: dict, seen_at: int, note: str):
+        """(the message, the members that did not answer): the first alarm's window, every member's calls in it."""
         won, _ = store.bounded(lambda: conn.compare_set(_alarm_key(lg), "", json.dumps(alarm)), 1.0)
         if won is not None:
             alarm = json.loads(won.decode())
@@ -228,18 +246,12 @@ class Monitor(Ring):
             entries[r] = (d["first"], d["codes"], d["calls"])
             names.update({int(c): n for c, n in d.get("names", {}).items() if int(c) not in names})
         finding = divergence.analyze(entries, s0, names)
-        by, peer = alarm.get("by"), alarm.get("peer")
-        noticed = f"seen by global rank {by} comparing its calls with group rank {peer}'s"
+        noticed = f"seen by rank {alarm.get('by')} comparing its calls with rank {alarm.get('peer')}'s"
         after = None if finding.call is None else max(0, seen_at - finding.call)
         text = divergence.format_message(finding, names=names, rank=lg.group_rank, world=len(lg.ranks),
                                          ranks=lg.ranks, noticed=noticed, after=after, s1=s1, missing=missing,
                                          note=note)
-        verdict.emit(text)
-        self.tripped_info = dict(self.tripped_info, stage="ending")
-        self._publish(conn)
-        if store.global_rank() == 0:
-            store.linger(conn, [g for r, g in enumerate(lg.ranks) if r != lg.group_rank and r not in missing])
-        verdict.end()
+        return text, missing
 
     def _publish_calls(self, conn, lg, alarm: dict):
         s0, s1 = int(alarm["s0"]), int(alarm["s1"])
@@ -307,8 +319,7 @@ class Monitor(Ring):
                     continue
                 found = divergence.compare(mine, {int(s): h for s, h in theirs["cp"]})
                 if found is not None:
-                    return lg, {"by": store.global_rank(), "peer": r, "s0": found[0], "s1": found[1],
-                                "t": time.time()}
+                    return lg, {"by": lg.group_rank, "peer": r, "s0": found[0], "s1": found[1], "t": time.time()}
         return None, None
 
     def _publish(self, conn) -> None:
