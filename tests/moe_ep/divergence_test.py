@@ -163,6 +163,23 @@ def test_watch_begin_logs_every_collective_call_nested_or_not():
     assert lg.entries(1, 9) == (1, [3, L1], [1, 1])
 
 
+def test_identities_follow_creation_order_with_the_watchdog_off_too(monkeypatch):
+    # a pretend group of two (no process group here): layers take even identities, collective watches odd ones
+    monkeypatch.setattr(sequence, "group_ranks", lambda group: ([0, 1], 0))
+    monkeypatch.setattr(sequence, "group_key", lambda group, ranks: "identities:0,1")
+    bound = moe_ep.core.watchdog.Bound(30.0, "t")
+    _, a = wd_watches.watch_layer("A", bound, None, "cpu")
+    _, off = wd_watches.watch_layer("B", None, None, "cpu")  # watchdog off: no Watch, the identity is still taken
+    _, c = wd_watches.watch_layer("C", bound, None, "cpu")
+    g = moe_ep.watch("graph", collective=True, device="cpu", timeout_s=30)
+    plain = moe_ep.watch("plain", device="cpu", timeout_s=30)
+    assert off is None and (a.code, c.code, g.code, plain.code) == (2, 6, 3, 0)
+    assert a._log is c._log is g._log and plain._log is None and a._log.names[4] == "B"
+    for w in (a, c, g, plain):
+        w.close()
+    assert a._log.open == 0 and not a._log.live  # nothing open: neither published nor compared
+
+
 # -- a lost peer ---------------------------------------------------------------------------------------------------
 def test_a_transport_error_becomes_peer_lost_naming_the_stopped_peer(monkeypatch):
     ctx = moe_ep.RankContext(0, 3, None, torch.device("cpu"), "gloo")
