@@ -180,6 +180,24 @@ def test_identities_follow_creation_order_with_the_watchdog_off_too(monkeypatch)
     assert a._log.open == 0 and not a._log.live  # nothing open: neither published nor compared
 
 
+def test_a_trip_finds_a_peer_out_of_step_in_its_heartbeat(monkeypatch):
+    from moe_ep.core.watchdog import alarm
+
+    mine = log(alternating(60))
+    mine.key, mine.open = "trip:0,1", 1
+    monkeypatch.setitem(sequence._logs, mine.key, mine)
+    published = alarm.checkpoints()[mine.key]
+    assert published["n"] == 60 and not published["lost"] and dict(published["cp"]) == mine.digest()
+    same = {"seq": {mine.key: published}}
+    peer = log(alternating(60, skip=41))
+    other = {"seq": {mine.key: {"n": peer.seq, "cp": sorted(peer.digest().items()), "lost": None}}}
+    assert alarm.out_of_step({1: (same, same)}) == (None, None)
+    lg, raised = alarm.out_of_step({1: (other, other)})
+    assert lg is mine and (raised["by"], raised["peer"], raised["s0"], raised["s1"]) == (0, 1, 40, 41)
+    mine.open = 0  # a group none is open on is not compared
+    assert alarm.out_of_step({1: (other, other)}) == (None, None) and mine.key not in alarm.checkpoints()
+
+
 # -- a lost peer ---------------------------------------------------------------------------------------------------
 def test_a_transport_error_becomes_peer_lost_naming_the_stopped_peer(monkeypatch):
     ctx = moe_ep.RankContext(0, 3, None, torch.device("cpu"), "gloo")

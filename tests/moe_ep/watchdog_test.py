@@ -18,7 +18,8 @@ from tests.support.dist import one_rank_gloo_group
 
 # -- the package -----------------------------------------------------------------------------------------------
 # One concern a module, each importing only modules above it in this order (no circle).
-MODULES = ("bound", "verdict", "events", "store", "sequence", "divergence", "ring", "monitor", "watches")
+MODULES = ("bound", "verdict", "events", "store", "sequence", "divergence", "alarm", "ring", "monitor",
+           "watches")
 
 
 def test_the_package_modules_import_only_downward():

@@ -16,6 +16,7 @@ One concern a module, imported in this order (no module imports one below it):
   store     the heartbeats in the process group's store: connect, publish, read (bounded)
   sequence  each group's sequence of collective calls (the hot path's part) and its digest
   divergence  where ranks' sequences part, who left the others, the message; the in-band check
+  alarm     the ranks' sequences through the store: published, compared, the alarm and its report
   ring      the process-wide ring of calls in flight and their confirmation
   monitor   the monitor and heartbeat threads, the deadlines, the trip
   watches   Watch (begin / end: the hot path), watch(), watch_layer()
