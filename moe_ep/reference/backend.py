@@ -107,4 +107,3 @@ class TorchReferenceBackend(Backend):
     def close(self) -> None:
         self._qw = None
         self._staged = None
-
