@@ -9,13 +9,17 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from moe_ep.core.errors import MoEError, PeerLostError, PeerValidationError, ProcessGroupEnvError, ProcessGroupError
+from moe_ep.core import lifecycle
+from moe_ep.core.device import cuda_device_count, describe_host, require_device
+from moe_ep.core.errors import (DeviceUnavailableError, MoEError, PeerLostError, PeerValidationError,
+                                ProcessGroupEnvError, ProcessGroupError)
 
 __all__ = ["RankContext", "init_from_env", "agree", "run_agreed", "all_to_all_rows", "all_gather_tensor", "DEFAULT_TIMEOUT_S",
            "peer_lost"]
@@ -45,11 +49,8 @@ class RankContext:
         if rank < 0:
             raise ProcessGroupError("group", "this process is not a member of the given group")
         if device is None:
-            if "nccl" in backend:
-                device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                device = torch.device("cpu")
-        device = torch.device(device)
+            device = "cuda" if "nccl" in backend else "cpu"
+        device = require_device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if "nccl" in backend and device.type != "cuda":
@@ -77,8 +78,12 @@ def init_from_env(backend: Optional[str] = None, timeout_s: Optional[float] = No
     what torchrun sets. With neither RANK nor WORLD_SIZE set, this process is a group of its own: world size 1,
     MASTER_ADDR (default 127.0.0.1) and MASTER_PORT (default: a free port) used without touching os.environ.
     Anything partial or malformed raises ProcessGroupEnvError naming the variable and what to set.
-    gloo on CPU, NCCL when MOE_EP_DEVICE=cuda; MOE_EP_PG_TIMEOUT_S bounds every collective. Idempotent: an
-    already initialised default group is reused as it is."""
+
+    The device: on a host with CUDA devices, this rank's GPU (LOCAL_RANK, else RANK) over NCCL; on a host without
+    one, the CPU over gloo. MOE_EP_DEVICE=cpu or =cuda says which (cpu on a GPU host is said once, on rank 0;
+    cuda on a host without one is a DeviceUnavailableError). MOE_EP_PG_TIMEOUT_S bounds every collective.
+    Idempotent: an already initialised default group is reused as it is. The group this function creates is
+    destroyed at the end of a normal run (moe_ep.core.lifecycle); one the caller made stays the caller's."""
     env = os.environ
 
     def bad(var: str, what: str) -> ProcessGroupEnvError:
@@ -94,11 +99,14 @@ def init_from_env(backend: Optional[str] = None, timeout_s: Optional[float] = No
             raise bad(var, f"out of range, {what}")
         return value
 
-    device_kind = env.get("MOE_EP_DEVICE", "cpu").strip().lower() or "cpu"
-    if device_kind not in ("cpu", "cuda"):
-        raise bad("MOE_EP_DEVICE", "set it to 'cpu' (gloo, the default) or 'cuda' (NCCL)")
+    asked = env.get("MOE_EP_DEVICE", "").strip().lower()
+    if asked not in ("", "cpu", "cuda"):
+        raise bad("MOE_EP_DEVICE", "set it to 'cuda' (this rank's GPU, NCCL) or 'cpu' (gloo), or unset it for the "
+                                   "GPU where the host has one")
     if dist.is_available() and dist.is_initialized():
-        return RankContext.from_group(None, "cuda" if device_kind == "cuda" else "cpu")
+        ctx = RankContext.from_group(None, asked or None)
+        _say_if_cpu_on_gpu_host(ctx, "the existing default group" + (" (MOE_EP_DEVICE=cpu)" if asked else ""))
+        return ctx
 
     has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
     if has_rank != has_world:
@@ -138,20 +146,67 @@ def init_from_env(backend: Optional[str] = None, timeout_s: Optional[float] = No
         raise ProcessGroupEnvError("timeout_s", f"expected seconds > 0, got {timeout_s!r} "
                                                 "(argument or MOE_EP_PG_TIMEOUT_S)")
 
+    gpus = cuda_device_count()
+    if asked == "cuda" and gpus == 0:
+        raise DeviceUnavailableError("MOE_EP_DEVICE", f"MOE_EP_DEVICE='cuda', but {describe_host()}: unset it (or "
+                                                      "set it to 'cpu') to run on the CPU")
     if backend is None:
-        backend = "nccl" if device_kind == "cuda" else "gloo"
+        kind = asked or ("cuda" if gpus else "cpu")
+        backend = "nccl" if kind == "cuda" else "gloo"
+    else:
+        kind = asked or ("cuda" if "nccl" in str(backend).lower() else "cpu")
     kwargs = {}
-    if backend == "nccl":
-        if "LOCAL_RANK" in env:
-            local = integer("LOCAL_RANK", 0, None, "set LOCAL_RANK to this process's GPU index on its host")
-        else:
-            local = rank
+    if kind == "cuda":
+        local = _local_gpu(env, rank, gpus, integer)
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
     host = f"[{addr}]" if ":" in addr else addr
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    return RankContext.from_group(None, "cuda" if device_kind == "cuda" else "cpu")
+    _created.append(dist.group.WORLD)
+    lifecycle.at_normal_exit(_destroy_created_group)
+    ctx = RankContext.from_group(None, kind)
+    _say_if_cpu_on_gpu_host(ctx, "MOE_EP_DEVICE=cpu" if asked == "cpu" else f"backend={backend!r}")
+    return ctx
+
+
+def _local_gpu(env, rank: int, gpus: int, integer) -> int:
+    """This rank's GPU index on its host: LOCAL_RANK (torchrun sets it), else RANK when the host has that many."""
+    if "LOCAL_RANK" in env:
+        local = integer("LOCAL_RANK", 0, None, "set LOCAL_RANK to this process's GPU index on its host")
+        if local >= gpus:
+            raise DeviceUnavailableError("LOCAL_RANK", f"LOCAL_RANK={local} names cuda:{local}, but {describe_host()}")
+        return local
+    if rank >= gpus:
+        raise DeviceUnavailableError("LOCAL_RANK", (
+            f"LOCAL_RANK is not set and RANK={rank} is past this host's GPUs ({describe_host()}): set LOCAL_RANK to "
+            "this process's GPU index on its host (torchrun does), or MOE_EP_DEVICE=cpu"))
+    return rank
+
+
+_created: List[object] = []  # the default group init_from_env made, if it made one
+_said_cpu = []
+
+
+def _say_if_cpu_on_gpu_host(ctx: RankContext, why: str) -> None:
+    """Running on the CPU where GPUs exist is allowed, never silent: one warning per process, on rank 0."""
+    if ctx.device.type != "cpu" or _said_cpu or ctx.rank != 0:
+        return
+    gpus = cuda_device_count()
+    if gpus:
+        _said_cpu.append(True)
+        warnings.warn(f"moe_ep: running on the CPU over {ctx.pg_backend} ({why}) although this host has {gpus} CUDA "
+                      "device(s): layers pick the torch reference backend. Unset MOE_EP_DEVICE (or set it to 'cuda') "
+                      "to run on the GPUs.", RuntimeWarning, stacklevel=3)
+
+
+def _destroy_created_group() -> None:
+    """At the end of a normal run: destroy the default group if it is still the one init_from_env created."""
+    try:
+        if _created and dist.is_initialized() and dist.group.WORLD is _created[-1]:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the process is ending; a failed teardown must not mask its exit status
+        pass
 
 
 def agree(ctx: RankContext, error: Optional[BaseException], what: str = "inputs") -> None:

@@ -17,6 +17,7 @@ __all__ = [
     "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
     "RankDivergenceError", "PeerLostError",
+    "DeviceUnavailableError",
 ]
 
 
@@ -125,6 +126,11 @@ class BackendNotFoundError(MoEError, KeyError):
 
 class BackendUnavailableError(MoEError, RuntimeError):
     """A registered backend cannot be loaded here (module missing, import failure, wrong arch)."""
+
+
+class DeviceUnavailableError(MoEError, RuntimeError):
+    """The device asked for is not on this host (no CUDA device, a CPU build of torch, an index past the last
+    GPU). ``argument`` names where it was asked for (``device``, ``MOE_EP_DEVICE``, ``LOCAL_RANK``)."""
 
 
 class OracleMismatchError(MoEError, AssertionError):

@@ -1,5 +1,7 @@
 """moe_ep.init_from_env: one process needs no environment at all; anything partial or malformed gets a typed
-error that names the variable and says what to set.
+error that names the variable and says what to set. On a host with CUDA devices it takes this rank's GPU and
+NCCL unless MOE_EP_DEVICE=cpu says otherwise (said once, on rank 0); the group it made is destroyed at the end
+of a normal run, a group the caller made is left alone.
 
 The cases that join a group run in a child process each (a process joins the default group once); the
 error cases fail before any group is created, so they run here.
@@ -30,6 +32,63 @@ print(json.dumps({"rank": ctx.rank, "world_size": ctx.world_size, "pg_backend": 
                   "env_port": os.environ.get("MASTER_PORT"), "env_rank": os.environ.get("RANK")}))
 dist.barrier()  # leave together: a gloo rank exiting mid-teardown can abort its peer
 dist.destroy_process_group()
+"""
+
+
+# A child that sees `gpus` CUDA devices (torch.cuda faked: this host has none) and records what init_from_env
+# asks torch for. With FAKE_INIT=1 the group is not made (NCCL needs real GPUs): the request is the result.
+_FAKED_GPU_CHILD = """
+import json, os, sys, warnings
+import torch, torch.distributed as dist
+gpus = int(os.environ["FAKE_GPUS"])
+torch.cuda.is_available = lambda: gpus > 0
+torch.cuda.device_count = lambda: gpus
+asked = {}
+torch.cuda.set_device = lambda d: asked.setdefault("set_device", str(d))
+real_init = dist.init_process_group
+class Asked(Exception):
+    pass
+def init(backend, **kw):
+    asked.update(backend=backend, device_id=str(kw.get("device_id")))
+    if os.environ.get("FAKE_INIT") == "1":
+        raise Asked()
+    real_init(backend, **kw)
+dist.init_process_group = init
+import moe_ep
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    try:
+        ctx = moe_ep.init_from_env()
+        moe_ep.init_from_env()
+        asked.update(device=str(ctx.device), pg_backend=ctx.pg_backend, rank=ctx.rank)
+    except Asked:
+        pass
+    except moe_ep.MoEError as e:
+        asked.update(error=type(e).__name__, argument=e.argument, message=str(e))
+asked["said"] = [str(w.message) for w in seen if "moe_ep" in str(w.message)]
+print(json.dumps(asked))
+if dist.is_initialized():
+    dist.barrier()
+"""
+
+# A child that ends without tearing anything down: what moe_ep destroys at exit shows on stdout.
+_EXIT_CHILD = """
+import os, sys, tempfile, datetime
+import torch.distributed as dist
+real_destroy = dist.destroy_process_group
+def destroy(*a, **k):
+    print("destroyed", flush=True)
+    real_destroy(*a, **k)
+dist.destroy_process_group = destroy
+if os.environ.get("OWN_GROUP") == "1":
+    d = tempfile.mkdtemp()
+    dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+import moe_ep
+ctx = moe_ep.init_from_env()
+print("joined", ctx.world_size, flush=True)
+if os.environ.get("CRASH") == "1":
+    raise RuntimeError("the run fails")
 """
 
 
@@ -82,6 +141,92 @@ def test_two_ranks_from_torchrun_style_variables():
              for r in range(2)]
     results = [_result(p) for p in procs]
     assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)]
+
+
+def _faked(gpus: int, fake_init: bool = True, **variables):
+    env = _clean_env(FAKE_GPUS=str(gpus), FAKE_INIT="1" if fake_init else "0", **variables)
+    proc = subprocess.run([sys.executable, "-c", _FAKED_GPU_CHILD], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_gpu_host_gets_its_gpu_and_nccl_by_default():
+    r = _faked(2)
+    assert (r["backend"], r["device_id"], r["set_device"]) == ("nccl", "cuda:0", "0")
+    assert r["said"] == []
+
+
+def test_local_rank_picks_the_gpu():
+    port = str(_free_port())
+    r = _faked(4, RANK="5", WORLD_SIZE="8", LOCAL_RANK="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    assert (r["backend"], r["device_id"], r["set_device"]) == ("nccl", "cuda:3", "3")
+
+
+def test_without_local_rank_the_rank_picks_the_gpu_where_the_host_has_it():
+    port = str(_free_port())
+    r = _faked(2, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    assert r["device_id"] == "cuda:1"
+    r = _faked(2, RANK="3", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    assert (r["error"], r["argument"]) == ("DeviceUnavailableError", "LOCAL_RANK")
+    assert "RANK=3" in r["message"] and "2 CUDA device(s)" in r["message"], r["message"]
+
+
+def test_a_local_rank_past_the_hosts_gpus_is_a_typed_error():
+    r = _faked(2, LOCAL_RANK="2")
+    assert (r["error"], r["argument"]) == ("DeviceUnavailableError", "LOCAL_RANK")
+    assert "cuda:2" in r["message"] and "2 CUDA device(s)" in r["message"], r["message"]
+    assert "set_device" not in r and "backend" not in r  # refused before torch was asked for anything
+
+
+def test_cuda_asked_on_a_host_without_one_is_a_typed_error():
+    r = _faked(0, MOE_EP_DEVICE="cuda")
+    assert (r["error"], r["argument"]) == ("DeviceUnavailableError", "MOE_EP_DEVICE")
+    assert "no CUDA device" in r["message"], r["message"]
+
+
+def test_the_cpu_on_a_gpu_host_is_said_once_on_rank_0_only():
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _FAKED_GPU_CHILD], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=_clean_env(FAKE_GPUS="2", FAKE_INIT="0", MOE_EP_DEVICE="cpu", RANK=str(r),
+                                             WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(2)]
+    r0, r1 = (_result(p) for p in procs)
+    assert (r0["backend"], r0["device"], r0["pg_backend"]) == ("gloo", "cpu", "gloo")
+    assert "set_device" not in r0
+    # Two init_from_env calls, one sentence, and it names the variable that chose the CPU.
+    assert len(r0["said"]) == 1 and "MOE_EP_DEVICE=cpu" in r0["said"][0] and "2 CUDA device(s)" in r0["said"][0]
+    assert r1["said"] == []
+
+
+def test_a_cpu_host_says_nothing():
+    r = _faked(0, fake_init=False)
+    assert (r["backend"], r["device"]) == ("gloo", "cpu") and r["said"] == []
+
+
+def _ends(**variables):
+    return subprocess.run([sys.executable, "-c", _EXIT_CHILD], env=_clean_env(**variables), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_group_init_from_env_made_is_destroyed_at_a_normal_end():
+    proc = _ends()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["joined", "1", "destroyed"]
+
+
+def test_a_group_the_caller_made_is_left_to_the_caller():
+    proc = _ends(OWN_GROUP="1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["joined", "1"]
+
+
+def test_an_end_on_an_uncaught_exception_tears_nothing_down():
+    # Destroying a group waits for peers, and after a failure a peer may never come.
+    proc = _ends(CRASH="1")
+    assert proc.returncode == 1 and "the run fails" in proc.stderr
+    assert proc.stdout.split() == ["joined", "1"]
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ import json, os, sys
 import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 from sm90_fp8_first_light import fp8_frontend, load, oracle, routing  # noqa: E402
+from tools.require import require  # noqa: E402
 
+require(device="cuda", arch="sm90", backend="sm90_fp8_cutedsl", argument=None, arch_argument=None)
 dev = torch.device("cuda")
 for g in [dict(name="small", H=512, I=256, E=8, K=4, C=1024), dict(name="dsv3", H=7168, I=2048, E=32, K=8, C=4096)]:
     f = fp8_frontend(g["H"], g["I"], g["E"], g["K"], g["C"], dev)

@@ -60,6 +60,9 @@ def routing(t, e, k, skew, gen):
 
 
 def main():
+    from tools.require import require
+
+    require(device="cuda", arch="sm90", backend="sm90_fp8_cutedsl", argument=None, arch_argument=None)
     dev = torch.device("cuda")
     results = []
     geoms = [dict(name="small", H=512, I=256, E=8, K=4), dict(name="dsv3", H=7168, I=2048, E=32, K=8)]

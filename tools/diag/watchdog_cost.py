@@ -65,9 +65,9 @@ def main(argv: Optional[list] = None) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda needs a CUDA GPU", file=sys.stderr)
-        return 2
+    from tools.require import require
+
+    require(device=device, argument="--device")
     from moe_ep.core import watchdog as wd
     from moe_ep.core.watchdog import divergence, events, monitor, ring, sequence
     from tools.bench.timing import host_us_per_call

@@ -1,0 +1,55 @@
+"""Work for the end of a normal run: what moe_ep set up (its process group, the NVSHMEM heap's allocations) is
+torn down explicitly, so a run that ends well ends quietly (no NVSHMEM leak report, no torch warning about an
+undestroyed group).
+
+A run that ends on an uncaught exception skips it: tearing down a process group or freeing NVSHMEM memory waits
+for the peers, and after a failure a peer may never come (the launcher or the watchdog ends it). torch and NVSHMEM
+then say what was left, which is the truth about such an end.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+
+__all__ = ["at_normal_exit", "ending_on_exception"]
+
+_lock = threading.Lock()
+_installed = False
+_crashed = False
+
+
+def _install() -> None:
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):
+            global _crashed
+            _crashed = True
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+        _installed = True
+
+
+def ending_on_exception() -> bool:
+    """Whether the interpreter is on its way out because of an uncaught exception (only known once a hook was
+    registered with at_normal_exit)."""
+    return _crashed
+
+
+def at_normal_exit(fn, *args) -> None:
+    """Run fn(*args) at interpreter exit unless the exit follows an uncaught exception. Hooks run last-registered
+    first (atexit's order): register teardown right after the set-up it undoes, so what was built on top of it
+    (the NVSHMEM heap on the process group) goes first."""
+    _install()
+
+    def run():
+        if not _crashed:
+            fn(*args)
+
+    atexit.register(run)
