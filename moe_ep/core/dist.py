@@ -21,8 +21,8 @@ from moe_ep.core.device import cuda_device_count, describe_host, require_device
 from moe_ep.core.errors import (DeviceUnavailableError, MoEError, PeerLostError, PeerValidationError,
                                 ProcessGroupEnvError, ProcessGroupError)
 
-__all__ = ["RankContext", "init_from_env", "agree", "run_agreed", "all_to_all_rows", "all_gather_tensor", "DEFAULT_TIMEOUT_S",
-           "peer_lost"]
+__all__ = ["RankContext", "init_from_env", "destroy_at_normal_exit", "agree", "run_agreed", "all_to_all_rows",
+           "all_gather_tensor", "DEFAULT_TIMEOUT_S", "peer_lost"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -163,8 +163,7 @@ def init_from_env(backend: Optional[str] = None, timeout_s: Optional[float] = No
     host = f"[{addr}]" if ":" in addr else addr
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    _created.append(dist.group.WORLD)
-    lifecycle.at_normal_exit(_destroy_created_group)
+    destroy_at_normal_exit()
     ctx = RankContext.from_group(None, kind)
     _say_if_cpu_on_gpu_host(ctx, "MOE_EP_DEVICE=cpu" if asked == "cpu" else f"backend={backend!r}")
     return ctx
@@ -184,7 +183,6 @@ def _local_gpu(env, rank: int, gpus: int, integer) -> int:
     return rank
 
 
-_created: List[object] = []  # the default group init_from_env made, if it made one
 _said_cpu = []
 
 
@@ -200,10 +198,17 @@ def _say_if_cpu_on_gpu_host(ctx: RankContext, why: str) -> None:
                       "to run on the GPUs.", RuntimeWarning, stacklevel=3)
 
 
-def _destroy_created_group() -> None:
-    """At the end of a normal run: destroy the default group if it is still the one init_from_env created."""
+def destroy_at_normal_exit() -> None:
+    """Destroy the default process group at the end of a normal run, if it is still this one then: for code that
+    made the group itself (init_from_env does this for the group it makes; a group it only reuses is left to
+    whoever made it). Without it torch warns at exit that destroy_process_group() was not called."""
+    if dist.is_available() and dist.is_initialized():
+        lifecycle.at_normal_exit(_destroy_if_current, dist.group.WORLD)
+
+
+def _destroy_if_current(group) -> None:
     try:
-        if _created and dist.is_initialized() and dist.group.WORLD is _created[-1]:
+        if dist.is_initialized() and dist.group.WORLD is group:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - the process is ending; a failed teardown must not mask its exit status
         pass

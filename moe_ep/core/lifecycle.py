@@ -13,14 +13,15 @@ import atexit
 import sys
 import threading
 
-__all__ = ["at_normal_exit", "ending_on_exception"]
+__all__ = ["at_normal_exit", "ending_on_exception", "track_exceptions"]
 
 _lock = threading.Lock()
 _installed = False
 _crashed = False
 
 
-def _install() -> None:
+def track_exceptions() -> None:
+    """From now on, remember an uncaught exception (chains sys.excepthook once; idempotent)."""
     global _installed
     with _lock:
         if _installed:
@@ -37,8 +38,8 @@ def _install() -> None:
 
 
 def ending_on_exception() -> bool:
-    """Whether the interpreter is on its way out because of an uncaught exception (only known once a hook was
-    registered with at_normal_exit)."""
+    """Whether the interpreter is on its way out because of an uncaught exception (known once track_exceptions()
+    or at_normal_exit() ran)."""
     return _crashed
 
 
@@ -46,7 +47,7 @@ def at_normal_exit(fn, *args) -> None:
     """Run fn(*args) at interpreter exit unless the exit follows an uncaught exception. Hooks run last-registered
     first (atexit's order): register teardown right after the set-up it undoes, so what was built on top of it
     (the NVSHMEM heap on the process group) goes first."""
-    _install()
+    track_exceptions()
 
     def run():
         if not _crashed:

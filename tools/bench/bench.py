@@ -37,6 +37,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from moe_ep.core.dist import destroy_at_normal_exit
 from moe_ep.core.graphs import capture_graph
 from tools.bench.timing import (FUSED, REDUCE, STAGING, cuda_time_us, host_time_us, kernel_groups_us,
                                 paired_host_time_us)
@@ -74,6 +75,7 @@ def init_single_rank(port: str = "29517") -> torch.device:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", port)
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=dev)
+        destroy_at_normal_exit()
     return dev
 
 
@@ -191,6 +193,7 @@ def _init(port: str = "29517"):
     torch.cuda.set_device(dev)
     if not dist.is_initialized():
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
+        destroy_at_normal_exit()
     return dist.get_rank(), dist.get_world_size(), dev
 
 
