@@ -22,12 +22,15 @@ GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", 
               "MOE_EP_PG_TIMEOUT_S")
 
 _CHILD = """
-import json, os, sys
+import json, os, sys, warnings
 import torch.distributed as dist
 import moe_ep
-ctx = moe_ep.init_from_env()
-again = moe_ep.init_from_env()
-print(json.dumps({"rank": ctx.rank, "world_size": ctx.world_size, "pg_backend": ctx.pg_backend,
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    ctx = moe_ep.init_from_env()
+    again = moe_ep.init_from_env()
+print(json.dumps({"said": [str(w.message) for w in seen if "moe_ep" in str(w.message)],
+                  "rank": ctx.rank, "world_size": ctx.world_size, "pg_backend": ctx.pg_backend,
                   "device": str(ctx.device), "idempotent": again.rank == ctx.rank and dist.is_initialized(),
                   "env_port": os.environ.get("MASTER_PORT"), "env_rank": os.environ.get("RANK")}))
 dist.barrier()  # leave together: a gloo rank exiting mid-teardown can abort its peer
@@ -35,40 +38,21 @@ dist.destroy_process_group()
 """
 
 
-# A child that sees `gpus` CUDA devices (torch.cuda faked: this host has none) and records what init_from_env
-# asks torch for. With FAKE_INIT=1 the group is not made (NCCL needs real GPUs): the request is the result.
-_FAKED_GPU_CHILD = """
-import json, os, sys, warnings
+# A rank on a host that (fakes that it) has two GPUs, with MOE_EP_DEVICE=cpu: the group is real (gloo), and what
+# init_from_env says about the CPU is recorded.
+_CPU_ON_GPU_HOST_CHILD = """
+import json, warnings
 import torch, torch.distributed as dist
-gpus = int(os.environ["FAKE_GPUS"])
-torch.cuda.is_available = lambda: gpus > 0
-torch.cuda.device_count = lambda: gpus
-asked = {}
-torch.cuda.set_device = lambda d: asked.setdefault("set_device", str(d))
-real_init = dist.init_process_group
-class Asked(Exception):
-    pass
-def init(backend, **kw):
-    asked.update(backend=backend, device_id=str(kw.get("device_id")))
-    if os.environ.get("FAKE_INIT") == "1":
-        raise Asked()
-    real_init(backend, **kw)
-dist.init_process_group = init
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: 2
 import moe_ep
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
-    try:
-        ctx = moe_ep.init_from_env()
-        moe_ep.init_from_env()
-        asked.update(device=str(ctx.device), pg_backend=ctx.pg_backend, rank=ctx.rank)
-    except Asked:
-        pass
-    except moe_ep.MoEError as e:
-        asked.update(error=type(e).__name__, argument=e.argument, message=str(e))
-asked["said"] = [str(w.message) for w in seen if "moe_ep" in str(w.message)]
-print(json.dumps(asked))
-if dist.is_initialized():
-    dist.barrier()
+    ctx = moe_ep.init_from_env()
+    moe_ep.init_from_env()
+said = [str(w.message) for w in seen if "moe_ep" in str(w.message)]
+print(json.dumps({"device": str(ctx.device), "pg_backend": ctx.pg_backend, "said": said}))
+dist.barrier()
 """
 
 # A child that ends without tearing anything down: what moe_ep destroys at exit shows on stdout.
@@ -126,6 +110,7 @@ def test_one_process_without_any_variable_is_world_size_1():
     r = _result(_spawn(_clean_env()))
     assert (r["rank"], r["world_size"], r["pg_backend"], r["device"]) == (0, 1, "gloo", "cpu")
     assert r["idempotent"]
+    assert r["said"] == []  # a host without a GPU: the CPU is no choice, nothing to say
     # The picked port is not written back: a process this one starts must not inherit it.
     assert r["env_port"] is None and r["env_rank"] is None
 
@@ -143,90 +128,129 @@ def test_two_ranks_from_torchrun_style_variables():
     assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)]
 
 
-def _faked(gpus: int, fake_init: bool = True, **variables):
-    env = _clean_env(FAKE_GPUS=str(gpus), FAKE_INIT="1" if fake_init else "0", **variables)
-    proc = subprocess.run([sys.executable, "-c", _FAKED_GPU_CHILD], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class _Asked(Exception):
+    """What init_from_env asked torch for, in place of making the group (NCCL needs real GPUs)."""
 
 
-def test_a_gpu_host_gets_its_gpu_and_nccl_by_default():
-    r = _faked(2)
+@pytest.fixture
+def gpu_host(env, monkeypatch):
+    """This process on a host with `n` (faked) GPUs; returns (set the count, what torch was asked for)."""
+    import torch
+    import torch.distributed as dist
+
+    asked = {}
+    count = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count[0] > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count[0])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: asked.setdefault("set_device", str(d)))
+
+    def init(backend, **kw):
+        asked.update(backend=backend, device_id=str(kw.get("device_id")))
+        raise _Asked()
+
+    monkeypatch.setattr(dist, "init_process_group", init)
+
+    def host(n, **variables):
+        count[0] = n
+        for k, v in variables.items():
+            env.setenv(k, v)
+        return asked
+
+    return host
+
+
+def _ask(asked):
+    with pytest.raises(_Asked):
+        moe_ep.init_from_env()
+    return asked
+
+
+def test_a_gpu_host_gets_its_gpu_and_nccl_by_default(gpu_host):
+    r = _ask(gpu_host(2))
     assert (r["backend"], r["device_id"], r["set_device"]) == ("nccl", "cuda:0", "0")
-    assert r["said"] == []
 
 
-def test_local_rank_picks_the_gpu():
-    port = str(_free_port())
-    r = _faked(4, RANK="5", WORLD_SIZE="8", LOCAL_RANK="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+def test_local_rank_picks_the_gpu(gpu_host):
+    r = _ask(gpu_host(4, RANK="5", WORLD_SIZE="8", LOCAL_RANK="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999"))
     assert (r["backend"], r["device_id"], r["set_device"]) == ("nccl", "cuda:3", "3")
 
 
-def test_without_local_rank_the_rank_picks_the_gpu_where_the_host_has_it():
-    port = str(_free_port())
-    r = _faked(2, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+def test_without_local_rank_the_rank_picks_the_gpu_where_the_host_has_it(gpu_host):
+    r = _ask(gpu_host(2, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999"))
     assert r["device_id"] == "cuda:1"
-    r = _faked(2, RANK="3", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    assert (r["error"], r["argument"]) == ("DeviceUnavailableError", "LOCAL_RANK")
-    assert "RANK=3" in r["message"] and "2 CUDA device(s)" in r["message"], r["message"]
 
 
-def test_a_local_rank_past_the_hosts_gpus_is_a_typed_error():
-    r = _faked(2, LOCAL_RANK="2")
-    assert (r["error"], r["argument"]) == ("DeviceUnavailableError", "LOCAL_RANK")
-    assert "cuda:2" in r["message"] and "2 CUDA device(s)" in r["message"], r["message"]
-    assert "set_device" not in r and "backend" not in r  # refused before torch was asked for anything
+def test_a_rank_past_the_hosts_gpus_without_local_rank_is_a_typed_error(gpu_host):
+    asked = gpu_host(2, RANK="3", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+    with pytest.raises(moe_ep.DeviceUnavailableError) as info:
+        moe_ep.init_from_env()
+    assert info.value.argument == "LOCAL_RANK"
+    assert "RANK=3" in str(info.value) and "2 CUDA device(s)" in str(info.value), str(info.value)
+    assert asked == {}  # refused before torch was asked for anything
 
 
-def test_cuda_asked_on_a_host_without_one_is_a_typed_error():
-    r = _faked(0, MOE_EP_DEVICE="cuda")
-    assert (r["error"], r["argument"]) == ("DeviceUnavailableError", "MOE_EP_DEVICE")
-    assert "no CUDA device" in r["message"], r["message"]
+def test_a_local_rank_past_the_hosts_gpus_is_a_typed_error(gpu_host):
+    asked = gpu_host(2, LOCAL_RANK="2")
+    with pytest.raises(moe_ep.DeviceUnavailableError) as info:
+        moe_ep.init_from_env()
+    assert info.value.argument == "LOCAL_RANK"
+    assert "cuda:2" in str(info.value) and "2 CUDA device(s)" in str(info.value), str(info.value)
+    assert asked == {}
+
+
+def test_cuda_asked_on_a_host_without_one_is_a_typed_error(gpu_host):
+    asked = gpu_host(0, MOE_EP_DEVICE="cuda")
+    with pytest.raises(moe_ep.DeviceUnavailableError) as info:
+        moe_ep.init_from_env()
+    assert info.value.argument == "MOE_EP_DEVICE" and "no CUDA device" in str(info.value), str(info.value)
+    assert asked == {}
 
 
 def test_the_cpu_on_a_gpu_host_is_said_once_on_rank_0_only():
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", _FAKED_GPU_CHILD], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", _CPU_ON_GPU_HOST_CHILD], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
-                              env=_clean_env(FAKE_GPUS="2", FAKE_INIT="0", MOE_EP_DEVICE="cpu", RANK=str(r),
-                                             WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+                              env=_clean_env(MOE_EP_DEVICE="cpu", RANK=str(r), WORLD_SIZE="2",
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(2)]
     r0, r1 = (_result(p) for p in procs)
-    assert (r0["backend"], r0["device"], r0["pg_backend"]) == ("gloo", "cpu", "gloo")
-    assert "set_device" not in r0
+    assert (r0["device"], r0["pg_backend"]) == ("cpu", "gloo")
     # Two init_from_env calls, one sentence, and it names the variable that chose the CPU.
     assert len(r0["said"]) == 1 and "MOE_EP_DEVICE=cpu" in r0["said"][0] and "2 CUDA device(s)" in r0["said"][0]
     assert r1["said"] == []
 
 
-def test_a_cpu_host_says_nothing():
-    r = _faked(0, fake_init=False)
-    assert (r["backend"], r["device"]) == ("gloo", "cpu") and r["said"] == []
+@pytest.fixture(scope="module")
+def ends():
+    """The three ends, run side by side: {case: (exit status, stdout words, stderr)}."""
+    cases = {"normal": {}, "own_group": {"OWN_GROUP": "1"}, "crash": {"CRASH": "1"}}
+    procs = {k: subprocess.Popen([sys.executable, "-c", _EXIT_CHILD], env=_clean_env(**v), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for k, v in cases.items()}
+    out = {}
+    for k, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        out[k] = (p.returncode, stdout.split(), stderr)
+    return out
 
 
-def _ends(**variables):
-    return subprocess.run([sys.executable, "-c", _EXIT_CHILD], env=_clean_env(**variables), capture_output=True,
-                          text=True, timeout=120)
+def test_the_group_init_from_env_made_is_destroyed_at_a_normal_end(ends):
+    rc, words, err = ends["normal"]
+    assert rc == 0, err[-4000:]
+    assert words == ["joined", "1", "destroyed"]
+    assert "destroy_process_group" not in err
 
 
-def test_the_group_init_from_env_made_is_destroyed_at_a_normal_end():
-    proc = _ends()
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["joined", "1", "destroyed"]
+def test_a_group_the_caller_made_is_left_to_the_caller(ends):
+    rc, words, err = ends["own_group"]
+    assert rc == 0, err[-4000:]
+    assert words == ["joined", "1"]
 
 
-def test_a_group_the_caller_made_is_left_to_the_caller():
-    proc = _ends(OWN_GROUP="1")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.split() == ["joined", "1"]
-
-
-def test_an_end_on_an_uncaught_exception_tears_nothing_down():
+def test_an_end_on_an_uncaught_exception_tears_nothing_down(ends):
     # Destroying a group waits for peers, and after a failure a peer may never come.
-    proc = _ends(CRASH="1")
-    assert proc.returncode == 1 and "the run fails" in proc.stderr
-    assert proc.stdout.split() == ["joined", "1"]
+    rc, words, err = ends["crash"]
+    assert rc == 1 and "the run fails" in err
+    assert words == ["joined", "1"]
 
 
 @pytest.mark.parametrize(
