@@ -31,6 +31,7 @@ SECTION = "## Using moe_ep from your Bazel workspace"
 # No convenience symlinks in the source tree; actions run unsandboxed (this test already runs in the outer
 # Bazel's sandbox, and the nested test starts processes of its own); a plain log, 2 jobs as on CI.
 NESTED = ["--symlink_prefix=/", "--spawn_strategy=local", "--jobs=2", "--curses=no", "--color=no"]
+QUERY = ["--curses=no", "--color=no"]
 
 
 def _example():
@@ -54,7 +55,8 @@ def _blocks(section):
 
 def _run(command, args, timeout, expect_failure=False):
     t0 = time.monotonic()
-    proc = nested_bazel.bazel(command, NESTED + args, timeout=timeout, cwd=_example(), coverage_stub=False)
+    flags = QUERY if command == "query" else NESTED  # query takes no build options
+    proc = nested_bazel.bazel(command, flags + args, timeout=timeout, cwd=_example(), coverage_stub=False)
     took = time.monotonic() - t0
     print(f"nested `bazel {command}` in examples/downstream: exit {proc.returncode} after {took:.1f} s")
     if expect_failure:
@@ -113,6 +115,17 @@ def test_example_target_on_both_trees_fails_analysis_naming_both(build):
             "sm100 (Blackwell): //:both_trees -> @megamoe_ep//moe_ep:moe_ep_blackwell ->"]
     missing = [w for w in want if w not in build.stderr]
     assert not missing, f"the error lacks {missing}:\n{nested_bazel.errors(build)}"
+
+
+def test_query_in_the_example_needs_the_coverage_override():
+    # What the README says a consumer's `bazel query` needs: the override of @remote_coverage_tools, which
+    # --noimplicit_deps alone does not replace (the test rules' coverage attribute still loads it).
+    stub = nested_bazel.workspace_root() / "tools" / "bazel" / "coverage_stub"
+    ok = _run("query", [f"--override_repository=remote_coverage_tools={stub}", "deps(//:two_ranks_test)"],
+              timeout=300)
+    assert "@megamoe_ep//moe_ep:moe_ep" in ok.stdout
+    alone = _run("query", ["--noimplicit_deps", "deps(//:two_ranks_test)"], timeout=300, expect_failure=True)
+    assert alone.returncode != 0 and "remote_coverage_tools" in alone.stderr, alone.stderr[-2000:]
 
 
 if __name__ == "__main__":
