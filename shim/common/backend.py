@@ -81,14 +81,15 @@ class KernelBackend(Backend):
 
     # -- knobs, once, before any workspace -------------------------------------------------------------------
     def resolve_knobs(self, weights: ExpertWeights):
-        """(knob set, where it came from): explicit > knob cache > shipped table > heuristic; "auto" tunes on a
-        cache miss (a shipped entry counts as tuned: "auto" takes it rather than tune again)."""
+        """(knob set, where it came from): explicit > knob cache > shipped table > knob model > heuristic; "auto"
+        tunes on a cache miss (a shipped entry counts as tuned: "auto" takes it rather than tune again)."""
         if self.requested_knobs == "auto":
             if KnobCache().get(self.knob_cache_key) is None and self.shipped_knobs() is None:
                 return self.autotune(weights), "autotune"
         return self.knobs_module.resolve_knobs(self.requested_knobs, fmt=self.fmt,
                                                max_tokens_per_rank=self.spec.max_tokens_per_rank,
-                                               cache_key=self.knob_cache_key, shipped=self.shipped_knobs)
+                                               cache_key=self.knob_cache_key, shipped=self.shipped_knobs,
+                                               model=self.model_knobs)
 
     def shipped_knobs(self):
         """The shipped table's knobs for this layer on this GPU and this (verified) drop, or None."""
@@ -100,6 +101,11 @@ class KernelBackend(Backend):
             else None
         hit = knob_table.lookup(self.arch, self.knob_cache_key, knob_table.device_name(self.ctx.device), drop)
         return None if hit is None else hit[0]
+
+    def model_knobs(self):
+        """A knob set derived from the shipped tables for a geometry they do not cover (the arch's knob model), or
+        None: the heuristic then decides."""
+        return None
 
     def make_frontend(self, knobs):
         """A frontend (one workspace) for this layer with the given knob set."""

@@ -48,14 +48,16 @@ class KnobSet:
 
 
 def resolve_knob_set(knobs, *, knob_type: Type[K], heuristic: Callable[[], K], validate: Callable[[K], K],
-                     cache_key: str, cache=None, shipped: Optional[Callable[[], Optional[Dict[str, Any]]]] = None
-                     ) -> Tuple[K, str]:
-    """Explicit > persistent cache > shipped table > heuristic. Returns (validated knobs, where they came from:
-    "explicit", "cache", "table" or "heuristic").
+                     cache_key: str, cache=None, shipped: Optional[Callable[[], Optional[Dict[str, Any]]]] = None,
+                     model: Optional[Callable[[], Optional[Dict[str, Any]]]] = None) -> Tuple[K, str]:
+    """Explicit > persistent cache > shipped table > knob model > heuristic. Returns (validated knobs, where they
+    came from: "explicit", "cache", "table", "model" or "heuristic").
 
     knobs: a `knob_type` instance (used as is), a dict (overrides on top of the heuristic), or None /
     "auto" (cache, else table, else heuristic; "auto" tuning itself happens elsewhere, on a cache miss).
     shipped: returns the shipped table's knobs for this layer (shim/common/knob_table.py), or None.
+    model: returns a knob set derived from the tables for a geometry they do not cover (shim/sm90/knob_model.py),
+    or None.
     """
     from shim.common.knob_cache import KnobCache
 
@@ -73,4 +75,7 @@ def resolve_knob_set(knobs, *, knob_type: Type[K], heuristic: Callable[[], K], v
     tuned = shipped() if shipped is not None else None
     if tuned is not None:
         return validate(knob_type.from_json(tuned)), "table"
+    derived = model() if model is not None else None
+    if derived is not None:
+        return validate(knob_type.from_json(derived)), "model"
     return validate(heuristic()), "heuristic"

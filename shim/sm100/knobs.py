@@ -183,10 +183,13 @@ def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm100Knobs:
     return _PROFILES[fmt](max(1, int(max_tokens_per_rank)))
 
 
-def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None, shipped=None) -> Tuple[Sm100Knobs, str]:
-    """Explicit > persistent cache > shipped table > heuristic. Returns (knobs, where they came from)."""
+def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None, shipped=None,
+                  model=None) -> Tuple[Sm100Knobs, str]:
+    """Explicit > persistent cache > shipped table > knob model (none for sm100 yet) > heuristic. Returns (knobs,
+    where they came from)."""
     return resolve_knob_set(knobs, knob_type=Sm100Knobs, heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank),
-                            validate=lambda k: k.validate(fmt), cache_key=cache_key, cache=cache, shipped=shipped)
+                            validate=lambda k: k.validate(fmt), cache_key=cache_key, cache=cache, shipped=shipped,
+                            model=model)
 
 
 def perf_candidates(base: Sm100Knobs, fmt: str) -> Dict[str, Sm100Knobs]:

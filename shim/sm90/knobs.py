@@ -139,7 +139,9 @@ def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm90Knobs:
     )
 
 
-def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None, shipped=None) -> Tuple[Sm90Knobs, str]:
-    """Explicit > persistent cache > shipped table > heuristic. Returns (knobs, where they came from)."""
+def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None, shipped=None,
+                  model=None) -> Tuple[Sm90Knobs, str]:
+    """Explicit > persistent cache > shipped table > knob model > heuristic. Returns (knobs, where they came from)."""
     return resolve_knob_set(knobs, knob_type=Sm90Knobs, heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank),
-                            validate=Sm90Knobs.validate, cache_key=cache_key, cache=cache, shipped=shipped)
+                            validate=Sm90Knobs.validate, cache_key=cache_key, cache=cache, shipped=shipped,
+                            model=model)

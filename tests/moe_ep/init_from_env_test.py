@@ -228,7 +228,12 @@ def ends():
                                  stderr=subprocess.PIPE, text=True) for k, v in cases.items()}
     out = {}
     for k, p in procs.items():
-        stdout, stderr = p.communicate(timeout=120)
+        try:
+            stdout, stderr = p.communicate(timeout=100)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate()
+            pytest.fail(f"the {k!r} child did not end within 100 s:\n{stdout}\n{stderr[-3000:]}", pytrace=False)
         out[k] = (p.returncode, stdout.split(), stderr)
     return out
 
