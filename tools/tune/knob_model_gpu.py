@@ -9,8 +9,9 @@ shapes are those of the named model at the given expert parallelism). For each p
 model's choice (shim/sm90/knob_model.py over the shipped entries of this GPU and drop), the heuristic's, and
 knobs="auto"'s list (shim/sm90/tune.candidate_knobs), deduplicated; each is compiled, loaded and timed as
 CUDA-graph replays of the whole forward at T = capacity on a balanced routing (the tuner's timing,
-shim/sm90/tune.time_frontend, median of 20). `tuned` is the fastest of them. Prints a table (model / tuned,
-heuristic / tuned), writes knob_model_gpu.json into --out. The target: the model within 10% of tuned.
+shim/sm90/tune.time_frontend, median of 20). `tuned` is the fastest of them. A layer built with default knobs at the
+same point must report knob_source "model" and the model's set. Prints a table (model / tuned, heuristic / tuned),
+writes knob_model_gpu.json into --out. The target: the model within 10% of tuned.
 """
 
 from __future__ import annotations
@@ -93,13 +94,19 @@ def measure(point: str, budget_s: float) -> dict:
             if fe is not None:
                 fe.close()
         print(f"  {point}: {_short(c):32} {times.get(c, float('nan')):8.1f} us", flush=True)
+    # The same choice through the layer's own resolution (explicit > cache > table > model > heuristic): a layer
+    # built with default knobs must say it took the model's set (the compile comes from the process's cache).
+    with moe_ep.MoELayer(spec, weights, backend="sm90_fp8_cutedsl", device=dev, check_values=False,
+                         collective_checks=False) as layer:
+        layer_source, layer_knobs = layer.backend.knob_source, layer.backend.knobs
     tuned = min(times.values())
     best = min(times, key=times.get)
     return dict(point=point, hidden=h, intermediate=i, experts=e, top_k=k, capacity=cap,
                 tokens_per_expert=cap * k / e, model=None if model is None else model.to_json(),
                 model_why=picked[1] if picked else "no measured entry near enough: the heuristic stays",
                 model_us=times.get(model), heuristic=heur.to_json(), heuristic_us=times.get(heur),
-                tuned_us=tuned, tuned=best.to_json(), candidates=len(times),
+                tuned_us=tuned, tuned=best.to_json(), candidates=len(times), layer_knob_source=layer_source,
+                layer_took_model=model is not None and layer_knobs == model,
                 seconds=round(time.perf_counter() - started, 1))
 
 
@@ -112,6 +119,9 @@ def main(argv=None) -> int:
     from tools.require import require
 
     require("knob_model_gpu", "cuda", arch="sm90", backend="sm90_fp8_cutedsl", argument=None, arch_argument=None)
+    import moe_ep
+
+    moe_ep.init_from_env()  # one rank, this GPU, NCCL: what a layer is built on
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -126,7 +136,9 @@ def main(argv=None) -> int:
               f"{t:8.1f} {ratio(m):>8} {ratio(hu):>7}  {r['model_why']}")
     ok = [r for r in rows if r["model_us"] is not None]
     print(f"within 10% of tuned: {sum(1 for r in ok if r['model_us'] <= 1.10 * r['tuned_us'])} of {len(ok)} "
-          f"points with a model choice; {len(rows) - len(ok)} fell back to the heuristic")
+          f"points with a model choice; {len(rows) - len(ok)} fell back to the heuristic; a default layer took the "
+          f"model's set at {sum(1 for r in ok if r['layer_took_model'])} of {len(ok)} "
+          f"(sources: {sorted({r['layer_knob_source'] for r in rows})})")
     return 0
 
 
