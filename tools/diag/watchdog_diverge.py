@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a file by the launcher: tools.diag below must import
-    sys.path.insert(0, str(REPO))
 
+# Run as a file by launch() below, this still imports tools.diag: tools.launch's rank environment puts the
+# repository root on PYTHONPATH (no sys.path edit here: the layering check refuses those outside shim/).
 from tools.diag.watchdog_demo import GEOMETRY, MESSAGE_RE, _read_json  # noqa: E402
 
 DIVERGE = ("skip", "wrong", "extra")
