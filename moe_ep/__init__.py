@@ -16,7 +16,8 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 NonContiguousError, OracleMismatchError, PeerValidationError, ProcessGroupError,
                                 ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
                                 KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError,
-                                LayerClosedError, RegistrationError)
+                                LayerClosedError, RegistrationError, RankDivergenceError, PeerLostError,
+                                DeviceUnavailableError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
@@ -36,4 +37,6 @@ __all__ = [
     "WeightsRankError", "ProcessGroupError", "PeerValidationError", "BackendNotFoundError",
     "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
+    "RankDivergenceError", "PeerLostError",
+    "DeviceUnavailableError",
 ]

@@ -18,13 +18,27 @@ import time
 _DESCRIPTION = __doc__.split("\n\n")[0]
 
 
-def _device_and_ranks(device: str, ranks):
-    import torch
+def _device_and_ranks(device: str, ranks, backend: str):
+    """The ranks' device and count; a device, GPU count or kernel arch this host lacks ends the job here with one
+    line and exit status 2 (tools/require.py), before any rank starts."""
+    from moe_ep.core import registry
+    from moe_ep.core.device import cuda_device_count
+    from tools.require import require
 
+    gpus = cuda_device_count()
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if gpus else "cpu"
     if ranks is None:
-        ranks = 4 if device == "cpu" else max(1, min(4, torch.cuda.device_count()))
+        ranks = 4 if device == "cpu" else max(1, min(4, gpus))
+    arch = None
+    if backend != "auto":
+        try:
+            arch = registry.get_entry(backend).arch
+        except KeyError as e:  # BackendNotFoundError: names the registered ones
+            print(f"main: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+    require("main", device, count=ranks if device == "cuda" else 1, arch=None if arch == "cpu" else arch,
+            backend=backend)
     return device, ranks
 
 
@@ -55,17 +69,15 @@ def main(argv=None) -> int:
                          "one CUDA graph against one block alone; tools/bench/model_bench.py)")
     args = ap.parse_args(argv)
     if args.model_layers:
-        import torch
+        from tools.require import require
 
-        if not torch.cuda.is_available():
-            print("--model-layers runs the kernel backends on a GPU; this host has none (the default mode runs on "
-                  "CPU ranks)", file=sys.stderr)
-            return 2
+        require("main", "cuda", arch="sm90", backend="sm90_fp8_cutedsl", argument="--model-layers",
+                arch_argument="--model-layers")
         from tools.bench.model_bench import main as model_main
 
         return model_main(["--layers", str(args.model_layers)])
 
-    device, ranks = _device_and_ranks(args.device, args.ranks)
+    device, ranks = _device_and_ranks(args.device, args.ranks, args.backend)
     from tools.launch.launcher import RankFailure, launch_function
 
     kwargs = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_experts=args.experts,

@@ -9,15 +9,20 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from moe_ep.core.errors import PeerValidationError, ProcessGroupEnvError, ProcessGroupError
+from moe_ep.core import lifecycle
+from moe_ep.core.device import cuda_device_count, describe_host, require_device
+from moe_ep.core.errors import (DeviceUnavailableError, MoEError, PeerLostError, PeerValidationError,
+                                ProcessGroupEnvError, ProcessGroupError)
 
-__all__ = ["RankContext", "init_from_env", "agree", "run_agreed", "all_to_all_rows", "all_gather_tensor", "DEFAULT_TIMEOUT_S"]
+__all__ = ["RankContext", "init_from_env", "destroy_at_normal_exit", "agree", "run_agreed", "all_to_all_rows",
+           "all_gather_tensor", "DEFAULT_TIMEOUT_S", "peer_lost"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -44,11 +49,8 @@ class RankContext:
         if rank < 0:
             raise ProcessGroupError("group", "this process is not a member of the given group")
         if device is None:
-            if "nccl" in backend:
-                device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                device = torch.device("cpu")
-        device = torch.device(device)
+            device = "cuda" if "nccl" in backend else "cpu"
+        device = require_device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if "nccl" in backend and device.type != "cuda":
@@ -76,8 +78,12 @@ def init_from_env(backend: Optional[str] = None, timeout_s: Optional[float] = No
     what torchrun sets. With neither RANK nor WORLD_SIZE set, this process is a group of its own: world size 1,
     MASTER_ADDR (default 127.0.0.1) and MASTER_PORT (default: a free port) used without touching os.environ.
     Anything partial or malformed raises ProcessGroupEnvError naming the variable and what to set.
-    gloo on CPU, NCCL when MOE_EP_DEVICE=cuda; MOE_EP_PG_TIMEOUT_S bounds every collective. Idempotent: an
-    already initialised default group is reused as it is."""
+
+    The device: on a host with CUDA devices, this rank's GPU (LOCAL_RANK, else RANK) over NCCL; on a host without
+    one, the CPU over gloo. MOE_EP_DEVICE=cpu or =cuda says which (cpu on a GPU host is said once, on rank 0;
+    cuda on a host without one is a DeviceUnavailableError). MOE_EP_PG_TIMEOUT_S bounds every collective.
+    Idempotent: an already initialised default group is reused as it is. The group this function creates is
+    destroyed at the end of a normal run (moe_ep.core.lifecycle); one the caller made stays the caller's."""
     env = os.environ
 
     def bad(var: str, what: str) -> ProcessGroupEnvError:
@@ -93,11 +99,14 @@ def init_from_env(backend: Optional[str] = None, timeout_s: Optional[float] = No
             raise bad(var, f"out of range, {what}")
         return value
 
-    device_kind = env.get("MOE_EP_DEVICE", "cpu").strip().lower() or "cpu"
-    if device_kind not in ("cpu", "cuda"):
-        raise bad("MOE_EP_DEVICE", "set it to 'cpu' (gloo, the default) or 'cuda' (NCCL)")
+    asked = env.get("MOE_EP_DEVICE", "").strip().lower()
+    if asked not in ("", "cpu", "cuda"):
+        raise bad("MOE_EP_DEVICE", "set it to 'cuda' (this rank's GPU, NCCL) or 'cpu' (gloo), or unset it for the "
+                                   "GPU where the host has one")
     if dist.is_available() and dist.is_initialized():
-        return RankContext.from_group(None, "cuda" if device_kind == "cuda" else "cpu")
+        ctx = RankContext.from_group(None, asked or None)
+        _say_if_cpu_on_gpu_host(ctx, "the existing default group" + (" (MOE_EP_DEVICE=cpu)" if asked else ""))
+        return ctx
 
     has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
     if has_rank != has_world:
@@ -137,20 +146,72 @@ def init_from_env(backend: Optional[str] = None, timeout_s: Optional[float] = No
         raise ProcessGroupEnvError("timeout_s", f"expected seconds > 0, got {timeout_s!r} "
                                                 "(argument or MOE_EP_PG_TIMEOUT_S)")
 
+    gpus = cuda_device_count()
+    if asked == "cuda" and gpus == 0:
+        raise DeviceUnavailableError("MOE_EP_DEVICE", f"MOE_EP_DEVICE='cuda', but {describe_host()}: unset it (or "
+                                                      "set it to 'cpu') to run on the CPU")
     if backend is None:
-        backend = "nccl" if device_kind == "cuda" else "gloo"
+        kind = asked or ("cuda" if gpus else "cpu")
+        backend = "nccl" if kind == "cuda" else "gloo"
+    else:
+        kind = asked or ("cuda" if "nccl" in str(backend).lower() else "cpu")
     kwargs = {}
-    if backend == "nccl":
-        if "LOCAL_RANK" in env:
-            local = integer("LOCAL_RANK", 0, None, "set LOCAL_RANK to this process's GPU index on its host")
-        else:
-            local = rank
+    if kind == "cuda":
+        local = _local_gpu(env, rank, gpus, integer)
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
     host = f"[{addr}]" if ":" in addr else addr
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-    return RankContext.from_group(None, "cuda" if device_kind == "cuda" else "cpu")
+    destroy_at_normal_exit()
+    ctx = RankContext.from_group(None, kind)
+    _say_if_cpu_on_gpu_host(ctx, "MOE_EP_DEVICE=cpu" if asked == "cpu" else f"backend={backend!r}")
+    return ctx
+
+
+def _local_gpu(env, rank: int, gpus: int, integer) -> int:
+    """This rank's GPU index on its host: LOCAL_RANK (torchrun sets it), else RANK when the host has that many."""
+    if "LOCAL_RANK" in env:
+        local = integer("LOCAL_RANK", 0, None, "set LOCAL_RANK to this process's GPU index on its host")
+        if local >= gpus:
+            raise DeviceUnavailableError("LOCAL_RANK", f"LOCAL_RANK={local} names cuda:{local}, but {describe_host()}")
+        return local
+    if rank >= gpus:
+        raise DeviceUnavailableError("LOCAL_RANK", (
+            f"LOCAL_RANK is not set and RANK={rank} is past this host's GPUs ({describe_host()}): set LOCAL_RANK to "
+            "this process's GPU index on its host (torchrun does), or MOE_EP_DEVICE=cpu"))
+    return rank
+
+
+_said_cpu = []
+
+
+def _say_if_cpu_on_gpu_host(ctx: RankContext, why: str) -> None:
+    """Running on the CPU where GPUs exist is allowed, never silent: one warning per process, on rank 0."""
+    if ctx.device.type != "cpu" or _said_cpu or ctx.rank != 0:
+        return
+    gpus = cuda_device_count()
+    if gpus:
+        _said_cpu.append(True)
+        warnings.warn(f"moe_ep: running on the CPU over {ctx.pg_backend} ({why}) although this host has {gpus} CUDA "
+                      "device(s): layers pick the torch reference backend. Unset MOE_EP_DEVICE (or set it to 'cuda') "
+                      "to run on the GPUs.", RuntimeWarning, stacklevel=3)
+
+
+def destroy_at_normal_exit() -> None:
+    """Destroy the default process group at the end of a normal run, if it is still this one then: for code that
+    made the group itself (init_from_env does this for the group it makes; a group it only reuses is left to
+    whoever made it). Without it torch warns at exit that destroy_process_group() was not called."""
+    if dist.is_available() and dist.is_initialized():
+        lifecycle.at_normal_exit(_destroy_if_current, dist.group.WORLD)
+
+
+def _destroy_if_current(group) -> None:
+    try:
+        if dist.is_initialized() and dist.group.WORLD is group:
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the process is ending; a failed teardown must not mask its exit status
+        pass
 
 
 def agree(ctx: RankContext, error: Optional[BaseException], what: str = "inputs") -> None:
@@ -160,14 +221,20 @@ def agree(ctx: RankContext, error: Optional[BaseException], what: str = "inputs"
     flags = torch.zeros(ctx.world_size, dtype=torch.int32, device=ctx.comm_device)
     if error is not None:
         flags[ctx.rank] = 1
-    dist.all_reduce(flags, group=ctx.group)
+    try:
+        dist.all_reduce(flags, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, f"the agreement on {what}") from None
     failing = [r for r, f in enumerate(flags.tolist()) if f]
     if not failing:
         return
     # Failure path only: learn why the peers failed (one object gather; cheap next to a failed call).
     mine = None if error is None else (type(error).__name__, getattr(error, "argument", None), str(error))
     gathered: List[object] = [None] * ctx.world_size
-    dist.all_gather_object(gathered, mine, group=ctx.group)
+    try:
+        dist.all_gather_object(gathered, mine, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, f"the agreement on {what}") from None
     if error is not None:
         raise error
     first = gathered[failing[0]]
@@ -196,16 +263,33 @@ def _bytes2d(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], width)
 
 
-def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts: torch.Tensor):
+def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts: torch.Tensor,
+                    header: Optional[Sequence[int]] = None):
     """Send row blocks: rows are [N, ...] tensors sorted by destination rank, send_counts [W] how many rows go
     to each rank. Returns (received tensors with the same trailing shapes/dtypes, recv_counts [W] on cpu).
-    The tensors are packed into one byte matrix so a single payload collective moves them all."""
+    The tensors are packed into one byte matrix so a single payload collective moves them all.
+    header: a few int64 this rank sends every peer with its counts (every rank must pass as many); then returns
+    (tensors, recv_counts, headers: a list with, for each rank r, the list rank r sent)."""
     dev = ctx.comm_device
     counts = send_counts.to(device=dev, dtype=torch.int64)
+    if header is not None:  # one wider counts exchange: a few host ops more, no extra collective
+        send_list = counts.tolist()
+        width = 1 + len(header)
+        counts = torch.tensor([v for c in send_list for v in (c, *header)], dtype=torch.int64,
+                              device=dev).view(-1, width)
     recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=ctx.group)
-    send_list = counts.tolist()
-    recv_list = recv_counts.tolist()
+    try:
+        dist.all_to_all_single(recv_counts, counts, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, "an all_to_all") from None
+    headers = None
+    if header is not None:
+        got = recv_counts.tolist()
+        recv_list, headers = [g[0] for g in got], [g[1:] for g in got]
+        recv_counts = recv_counts.select(1, 0).contiguous()
+    else:
+        send_list = counts.tolist()
+        recv_list = recv_counts.tolist()
     widths = []
     parts = []
     for t in rows:
@@ -216,14 +300,19 @@ def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts:
     total = sum(widths)
     n_recv = sum(recv_list)
     recv = torch.empty((n_recv, total), dtype=torch.uint8, device=dev)
-    dist.all_to_all_single(recv.view(-1), payload.contiguous().view(-1).to(dev),
-                           [c * total for c in recv_list], [c * total for c in send_list], group=ctx.group)
+    try:
+        dist.all_to_all_single(recv.view(-1), payload.contiguous().view(-1).to(dev),
+                               [c * total for c in recv_list], [c * total for c in send_list], group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, "an all_to_all") from None
     out = []
     off = 0
     for t, width in zip(rows, widths):
         chunk = recv[:, off:off + width].contiguous()
         off += width
         out.append(chunk.view(t.dtype).reshape((n_recv,) + tuple(t.shape[1:])))
+    if headers is not None:
+        return out, recv_counts.cpu(), headers
     return out, recv_counts.cpu()
 
 
@@ -232,6 +321,51 @@ def all_gather_tensor(ctx: RankContext, t: torch.Tensor) -> torch.Tensor:
     src = t.contiguous().to(ctx.comm_device)
     b = src.view(torch.uint8) if src.dim() else src.reshape(1).view(torch.uint8)
     outs = [torch.empty_like(b) for _ in range(ctx.world_size)]
-    dist.all_gather(outs, b, group=ctx.group)
+    try:
+        dist.all_gather(outs, b, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, "an all_gather") from None
     parts = [o.view(t.dtype).reshape(t.shape if t.dim() else (1,)) for o in outs]
     return torch.cat(parts, dim=0)
+
+
+# A peer that is gone: gloo raises at once with its own words (the connection closed) or after the group's
+# timeout; those become PeerLostError naming the peers whose watchdog heartbeats stopped.
+_TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Connection refused", "Broken pipe",
+              "Timed out waiting", "gloo/transport", "Socket closed", "Read error", "Write error")
+
+
+def peer_lost(ctx: RankContext, e: BaseException, what: str) -> BaseException:
+    """The error to raise for `e`, raised by a collective of `what`: PeerLostError when the transport lost a peer,
+    `e` itself otherwise."""
+    text = str(e)
+    if isinstance(e, MoEError) or not (isinstance(e, getattr(dist, "DistError", ())) or
+                                       any(m in text for m in _TRANSPORT)):
+        return e
+    ranks = list(range(ctx.world_size))
+    try:
+        ranks = list(dist.get_process_group_ranks(ctx.group if ctx.group is not None else dist.group.WORLD))
+    except Exception:  # noqa: BLE001 - a group torch cannot describe: group ranks as they are
+        pass
+    try:
+        from moe_ep.core.watchdog import store
+
+        gone, note = store.gone(ranks)
+    except Exception as ex:  # noqa: BLE001 - the error must still come
+        gone, note = [], f"the heartbeats could not be read ({type(ex).__name__}: {ex})"
+    group_gone = [ranks.index(g) for g in gone if g in ranks]
+    timed_out = "Timed out" in text
+    if group_gone:
+        who = ", ".join(f"rank {r}" + (f" (global {ranks[r]})" if ranks[r] != r else "") for r in group_gone)
+        head = f"{who} of the group left it during {what}: its process is gone (its watchdog heartbeat stopped)"
+    elif timed_out:
+        head = f"a peer did not arrive within the process group's timeout during {what}"
+    else:
+        head = (f"a peer left the process group during {what}; which one cannot be told: no heartbeat stopped (its "
+                "watchdog is off, or its process lives without its connection)")
+    first = (text.splitlines() or [""])[0][:300]
+    detail = f"{head}. This rank (rank {ctx.rank} of {ctx.world_size}) cannot go on with it: end the job and restart " \
+             f"its ranks. The transport said: {first}"
+    if note and not group_gone:
+        detail += f" ({note})"
+    return PeerLostError(None, detail, ranks=group_gone, transport=first)

@@ -16,6 +16,8 @@ __all__ = [
     "CalibrationError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
     "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
+    "RankDivergenceError", "PeerLostError",
+    "DeviceUnavailableError",
 ]
 
 
@@ -126,6 +128,11 @@ class BackendUnavailableError(MoEError, RuntimeError):
     """A registered backend cannot be loaded here (module missing, import failure, wrong arch)."""
 
 
+class DeviceUnavailableError(MoEError, RuntimeError):
+    """The device asked for is not on this host (no CUDA device, a CPU build of torch, an index past the last
+    GPU). ``argument`` names where it was asked for (``device``, ``MOE_EP_DEVICE``, ``LOCAL_RANK``)."""
+
+
 class OracleMismatchError(MoEError, AssertionError):
     """A backend's output or weights disagree with the torch oracle beyond the format's tolerance."""
 
@@ -155,3 +162,31 @@ class LayerClosedError(MoEError, RuntimeError):
 
 class RegistrationError(MoEError, ValueError):
     """register_backend() was given a name, target or format list it cannot register."""
+
+
+class RankDivergenceError(ProcessGroupError):
+    """The ranks of a process group fell out of step: at one collective call they were not in the same layer, or
+    not at the same call of it (a rank skipped a call, made one more, or called another layer). Raised before any
+    output of that call is returned; every later call of the group raises it again (the ranks cannot be put back
+    in step from here). ``ranks``: the group ranks out of step; ``call``: the group's collective call number where
+    the ranks first differ; ``layers``: the names of the layers involved; ``seen``: group rank -> (layer, its call
+    number, group call) as each rank reported it."""
+
+    def __init__(self, argument: Optional[str], message: str, ranks: Sequence[int] = (), call: Optional[int] = None,
+                 layers: Sequence[str] = (), seen=None):
+        self.ranks = tuple(ranks)
+        self.call = call
+        self.layers = tuple(layers)
+        self.seen = dict(seen or {})
+        super().__init__(argument, message)
+
+
+class PeerLostError(ProcessGroupError):
+    """A peer of the process group is gone during one of moe_ep's collectives: its connection closed (the process
+    ended or crashed) or it did not answer within the group's timeout. ``ranks``: the group ranks known to be gone
+    (from the watchdog's heartbeats; empty when nothing says which); ``transport``: the transport's own words."""
+
+    def __init__(self, argument: Optional[str], message: str, ranks: Sequence[int] = (), transport: str = ""):
+        self.ranks = tuple(ranks)
+        self.transport = transport
+        super().__init__(argument, message)

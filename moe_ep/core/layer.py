@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from moe_ep.core import op, registry, watchdog
+from moe_ep.core.device import require_arch
 from moe_ep.core.dist import RankContext, run_agreed
 from moe_ep.core.errors import DTypeError, FormatError, LayerClosedError, WatchdogConfigError
 from moe_ep.core.spec import LayerGeometry, MoESpec
@@ -54,6 +55,8 @@ class MoELayer(LayerGeometry):
                 entry = registry.select_backend(registry.detect_arch(ctx.device), fmt)
             else:
                 entry = registry.get_entry(backend)
+                if entry.arch != "cpu":  # a kernel backend named on a device of another arch (or the CPU)
+                    require_arch(ctx.device, entry.arch, entry.name)
             f = entry.default_format if fmt is None else check_format(fmt)
             if f not in entry.formats:
                 raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {f!r}")

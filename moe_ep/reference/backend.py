@@ -3,6 +3,11 @@
 Per call: quantize the bf16 input as the kernel stages it; send each (token, slot) row to the rank owning
 its expert (all_to_all, bytes); run FC1 -> SwiGLU -> (routing weight) -> FC2-input quantization -> FC2 per
 local expert; send the bf16 terms back; sum them on the source rank in slot order (fp32) and round to bf16.
+
+The first exchange (the row counts) also carries each rank's call fingerprint (which layer, which call of it,
+which collective call of the group; moe_ep.core.watchdog.sequence): ranks out of step raise RankDivergenceError
+there, on every rank, before any of the call's data moves (carry_fingerprint=False leaves it out, as a kernel
+backend must: the watchdog then finds it from the published sequences).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 
 from moe_ep.core.backend import Backend
 from moe_ep.core.dist import all_to_all_rows
+from moe_ep.core.watchdog import divergence, sequence
 from moe_ep.core.weights import ExpertWeights
 from moe_ep.formats import QuantizedActivation, QuantizedWeights, packs
 from moe_ep.reference import ffn
@@ -26,10 +32,11 @@ class TorchReferenceBackend(Backend):
     weight_formats = ("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4")
 
     def __init__(self, spec, ctx, fmt: Optional[str] = None, apply_topk_in_fc1: bool = True,
-                 keep_staged: bool = True):
+                 keep_staged: bool = True, carry_fingerprint: bool = True):
         super().__init__(spec, ctx, fmt)
         self._apply_topk = bool(apply_topk_in_fc1)
         self._keep_staged = keep_staged
+        self._seq = sequence.log_for(ctx.group) if carry_fingerprint and ctx.pg_backend != "none" else None
         self._qw: Optional[QuantizedWeights] = None
         self._staged: Optional[QuantizedActivation] = None
 
@@ -82,7 +89,11 @@ class TorchReferenceBackend(Backend):
         sent = act.rows(token)
         rows = [sent.q] + ([sent.scale] if sent.scale is not None else [])
         rows += [(idx[order] - dest * e_local).to(torch.int32), topk_weights.reshape(-1)[order].contiguous()]
-        recv, recv_counts = all_to_all_rows(ctx, rows, send_counts)
+        # Every rank sends a fingerprint (zeros when it has none to give), so the exchange keeps one shape.
+        mine = self._seq.fingerprint() if self._seq is not None else (0, 0, 0)
+        recv, recv_counts, theirs = all_to_all_rows(ctx, rows, send_counts, header=mine)
+        if self._seq is not None:
+            divergence.in_band(self._seq, mine, theirs)
 
         r_act = QuantizedActivation(act.fmt, recv[0], recv[1] if sent.scale is not None else None)
         terms = self.compute_experts(qw, r_act, recv[-2].to(torch.int64), recv[-1])

@@ -6,6 +6,10 @@ never arrives, and the survivors spin forever. gloo, on the other hand, notices 
 at once, so the torch reference backend alone cannot show that hang on a CPU. SpinBarrierBackend puts a flag
 barrier on shared files in front of the reference backend's forward: every rank writes how many calls it has
 entered, then spins (sleeping, so the GIL is free) until every peer has entered as many. Same host only.
+Like the kernels, whose layers share one workspace per process group, the barrier counts the calls of every
+layer of the group together (a rank that skips a call of one layer meets its peers' call of another), and it
+carries no call fingerprint in its exchange (the kernel's exchange cannot): a rank out of step mixes data as
+it would on the GPU, and only the watchdog's published sequences can tell.
 
     moe_ep.testing.faults.register()                               # the backend, as "t_spin_reference"
     layer = moe_ep.MoELayer(spec, weights, backend="t_spin_reference", barrier_dir=d)
@@ -14,14 +18,13 @@ entered, then spins (sleeping, so the GIL is free) until every peer has entered 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 from moe_ep.core.registry import register_backend
 from moe_ep.reference.backend import TorchReferenceBackend
@@ -33,18 +36,21 @@ KINDS = ("kill", "stall", "skip", "stall_before")
 
 
 class SpinBarrierBackend(TorchReferenceBackend):
-    """The torch reference behind a flag barrier on files in `barrier_dir` (backend option, required)."""
+    """The torch reference behind a flag barrier on files in `barrier_dir` (backend option, required), one
+    barrier per process group for all its layers."""
 
-    _instances = itertools.count(1)
+    _entered: Dict[str, int] = {}  # group tag -> calls entered by this process
 
-    def __init__(self, spec, ctx, fmt: Optional[str] = None, *, barrier_dir: str, poll_s: float = 0.002, **options):
-        super().__init__(spec, ctx, fmt, **options)
+    def __init__(self, spec, ctx, fmt: Optional[str] = None, *, barrier_dir: str, poll_s: float = 0.002,
+                 carry_fingerprint: bool = False, **options):
+        super().__init__(spec, ctx, fmt, carry_fingerprint=carry_fingerprint, **options)
         self._dir = Path(barrier_dir)
         self._dir.mkdir(parents=True, exist_ok=True)
-        # Layers are built collectively, in the same order on every rank: the k-th layer is the same everywhere.
-        self._tag = f"layer{next(self._instances)}"
+        # Groups are made collectively, in the same order on every rank: a group's name is the same everywhere.
+        name = _group_name(ctx.group)
+        self._tag = f"group{name}"
         self._poll_s = poll_s
-        self._entered = 0
+        self._entered.setdefault(self._tag, 0)
 
     def _flag(self, rank: int) -> Path:
         return self._dir / f"{self._tag}.r{rank}"
@@ -56,8 +62,7 @@ class SpinBarrierBackend(TorchReferenceBackend):
             return 0
 
     def barrier(self) -> None:
-        self._entered += 1
-        n = self._entered
+        n = self._entered[self._tag] = self._entered[self._tag] + 1
         tmp = self._dir / f".{self._tag}.r{self.ctx.rank}.tmp"
         tmp.write_text(str(n))
         os.replace(tmp, self._flag(self.ctx.rank))
@@ -70,6 +75,13 @@ class SpinBarrierBackend(TorchReferenceBackend):
     def forward(self, hidden, topk_idx, topk_weights, out):
         self.barrier()
         return super().forward(hidden, topk_idx, topk_weights, out)
+
+
+def _group_name(group) -> str:
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.group.WORLD
+    return "".join(c for c in str(getattr(pg, "group_name", "") or "world") if c.isalnum()) or "world"
 
 
 def register() -> None:

@@ -6,11 +6,12 @@ generates one subclass per row (`KernelBackend.row_classes`), named as the row's
 registry resolves them by those lazy strings. moe_ep never imports shim.
 
 The phases, each a final composer (shim/common/phases.py: an arch class cannot replace one by accident):
-  validate   __init__: the one device/arch guard (`check_target`, the same for every arch); the spec was checked
-             against the row before (check_spec, asked by the layer)
-  weights    prepare_weights: the knob set resolved once (explicit > knob cache > shipped table > heuristic, or a
-             collective tune for knobs="auto" on a miss), then its one frontend (one workspace), the weights laid
-             out and the kernel compiled
+  validate   before construction, by the layer: the device's arch (moe_ep.core.device.require_arch, the same
+             guard for every kernel backend, before this module is imported), the spec against the row
+             (check_spec), the kernel module in the tree (the registry's probe); __init__ keeps the options
+  weights    prepare_weights: the knob set resolved once (explicit > knob cache > shipped table > knob model >
+             heuristic, or a collective tune for knobs="auto" on a miss), then its one frontend (one workspace), the
+             weights laid out and the kernel compiled
   forward    the frontend's forward (its stage and launch phases, its internal graphs: shim/common/frontend.py)
   oracle     oracle_weights / staged_activation, read back from what the kernel was handed
 """
@@ -30,38 +31,24 @@ from shim.common.formats import FormatTable, KernelFormat
 from shim.common.knob_cache import KnobCache, cache_key
 from shim.common.phases import Composed, final
 
-__all__ = ["KernelBackend", "check_target", "compile_only_frontend"]
+__all__ = ["KernelBackend", "check_compile_target", "compile_only_frontend"]
 
 
-def check_target(table: FormatTable, device=None) -> None:
-    """The one device guard of the kernel backends: a layer's device must be a GPU of the table's arch; a compile
-    without one (device None) needs CUTE_DSL_ARCH naming that arch (or such a GPU on this host).
-    BackendUnavailableError naming the device (or the variable) otherwise."""
+def check_compile_target(table: FormatTable) -> None:
+    """A compile without a GPU of the table's arch needs CUTE_DSL_ARCH naming that arch (or such a GPU on this
+    host); BackendUnavailableError naming the variable otherwise. A layer's device is checked before the backend is
+    even imported (moe_ep.core.device.require_arch, in MoELayer): the same arch guard for every kernel backend."""
     import torch
 
     from moe_ep.core.registry import detect_arch
 
-    arch, gpu = table.arch, f"a {table.gpu} ({table.arch})"
-    if device is None:
-        target = os.environ.get("CUTE_DSL_ARCH", "")
-        here = not target and torch.cuda.is_available() and detect_arch() == arch
-        if not (target.startswith(table.cute_targets) or here):
-            raise BackendUnavailableError(
-                "CUTE_DSL_ARCH", f"a compile-only {arch} build targets {table.cute_targets[0]}a: set "
-                f"CUTE_DSL_ARCH={table.cute_targets[0]}a in the environment before cutlass is imported "
-                f"(it is {target or 'unset'})")
-        return
-    if not torch.cuda.is_available():
-        raise BackendUnavailableError("device", f"the {arch} MegaMoE kernels need {gpu} GPU; this host has no CUDA "
-                                                f"device (compile without one: CUTE_DSL_ARCH={table.cute_targets[0]}a)")
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise BackendUnavailableError("device", f"the {arch} MegaMoE kernels need {gpu} GPU; the layer's device is "
-                                                f"{device}")
-    if detect_arch(device) != arch:
-        major, minor = torch.cuda.get_device_capability(device)
-        raise BackendUnavailableError("device", f"the {arch} MegaMoE kernels need {gpu} GPU; {device} is "
-                                                f"sm_{major}{minor}")
+    target = os.environ.get("CUTE_DSL_ARCH", "")
+    here = not target and torch.cuda.is_available() and detect_arch() == table.arch
+    if not (target.startswith(table.cute_targets) or here):
+        raise BackendUnavailableError(
+            "CUTE_DSL_ARCH", f"a compile-only {table.arch} build targets {table.cute_targets[0]}a: set "
+            f"CUTE_DSL_ARCH={table.cute_targets[0]}a in the environment before cutlass is imported "
+            f"(it is {target or 'unset'})")
 
 
 class KernelBackend(Composed, LayerGeometry, Backend):
@@ -92,7 +79,6 @@ class KernelBackend(Composed, LayerGeometry, Backend):
         max_active_clusters (default: the device's), knob_cache_key (default: the geometry's key),
         internal_graphs (one CUDA graph per token count, on by default: see shim/common/graph_cache.py)."""
         super().__init__(spec, ctx, fmt)
-        check_target(self.table, ctx.device)
         self._internal_graphs = bool(internal_graphs)
         self.requested_knobs = knobs
         self.max_active_clusters = max_active_clusters
@@ -125,12 +111,13 @@ class KernelBackend(Composed, LayerGeometry, Backend):
 
     @final
     def resolve_knobs(self, weights: ExpertWeights):
-        """(knob set, where it came from), in one pass: explicit > knob cache > shipped table > heuristic; "auto"
-        tunes on a miss of both (a shipped entry counts as tuned: "auto" takes it rather than tune again)."""
+        """(knob set, where it came from), in one pass: explicit > knob cache > shipped table > knob model >
+        heuristic; "auto" tunes on a miss of cache and table (a shipped entry counts as tuned: "auto" takes it rather
+        than tune again), in the model's and the heuristic's place."""
         return self.knobs_module.resolve_knobs(self.requested_knobs, fmt=self.fmt,
                                                max_tokens_per_rank=self.spec.max_tokens_per_rank,
                                                cache_key=self.knob_cache_key, shipped=self.shipped_knobs,
-                                               tune=lambda: self.autotune(weights))
+                                               model=self.model_knobs, tune=lambda: self.autotune(weights))
 
     @final
     def shipped_knobs(self):
@@ -143,6 +130,11 @@ class KernelBackend(Composed, LayerGeometry, Backend):
             else None
         hit = knob_table.lookup(self.arch, self.knob_cache_key, knob_table.device_name(self.ctx.device), drop)
         return None if hit is None else hit[0]
+
+    def model_knobs(self):
+        """A knob set derived from the shipped tables for a geometry they do not cover (the arch's knob model), or
+        None: the heuristic then decides (a hook: sm90 has a model)."""
+        return None
 
     @final
     def make_frontend(self, knobs):
@@ -205,8 +197,8 @@ def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=Non
     """The frontend a layer of `backend` (a registered name or class) would build for `spec`, built for a
     compile without a GPU (CUTE_DSL_ARCH names the target; tensors are fakes with symbolic extents): what CI
     compiles every kernel through, and the tuner's and the drop audit's build checks. The spec is checked
-    against the backend's rules first (SpecError), as the layer would, and the target as a layer's device would
-    be (check_target); knobs resolve as explicit > heuristic (the user's knob cache is not read, so a compile
+    against the backend's rules first (SpecError), as the layer would, then the compile target
+    (check_compile_target); knobs resolve as explicit > heuristic (the user's knob cache is not read, so a compile
     check does not depend on the machine it runs on)."""
     from moe_ep.core.dist import RankContext
     from moe_ep.core.errors import SpecError
@@ -221,7 +213,7 @@ def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=Non
     if problems:
         argument, message = problems[0]
         raise SpecError(argument, f"{message} (backend {cls.name!r})")
-    check_target(cls.table)
+    check_compile_target(cls.table)
     knob_set, _ = cls.knobs_module.resolve_knobs(knobs, fmt=fmt, max_tokens_per_rank=spec.max_tokens_per_rank,
                                                  cache_key="", cache=KnobCache(""))
     return cls.frontend_class()(spec, RankContext.detached(rank, world_size), knob_set, kernel_format=cls.format,

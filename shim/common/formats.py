@@ -72,11 +72,10 @@ class KernelFormat:
 
 
 class FormatTable:
-    """An arch's rows, in registry order (an arch's first row is its default backend), and the two arch facts the
-    one device guard asks (shim/common/backend.py check_target): the GPU family's name and the CUTE_DSL_ARCH
-    prefixes a compile without that GPU may target."""
+    """An arch's rows, in registry order (an arch's first row is its default backend), and the CUTE_DSL_ARCH
+    prefixes a compile without a GPU of the arch may target (shim/common/backend.py check_compile_target)."""
 
-    def __init__(self, arch: str, rows: Tuple[KernelFormat, ...], *, gpu: str, cute_targets: Tuple[str, ...]):
+    def __init__(self, arch: str, rows: Tuple[KernelFormat, ...], *, cute_targets: Tuple[str, ...]):
         for r in rows:
             if r.arch != arch:
                 raise ValueError(f"row {r.backend!r} names arch {r.arch!r} in the {arch} table")
@@ -87,7 +86,6 @@ class FormatTable:
                 raise ValueError(f"the {arch} table repeats a {attr}: {values}")
         self.arch = arch
         self.rows = tuple(rows)
-        self.gpu = gpu
         self.cute_targets = tuple(cute_targets)
 
     def __iter__(self) -> Iterator[KernelFormat]:

@@ -50,16 +50,20 @@ class KnobSet:
 
 def resolve_knob_set(knobs, *, knob_type: Type[K], heuristic: Callable[[], K], validate: Callable[[K], K],
                      cache_key: str, cache=None, shipped: Optional[Callable[[], Optional[Dict[str, Any]]]] = None,
+                     model: Optional[Callable[[], Optional[Dict[str, Any]]]] = None,
                      tune: Optional[Callable[[], K]] = None) -> Tuple[K, str]:
-    """Explicit > persistent cache > shipped table > (for "auto") a tune > heuristic, in one pass: the cache and the
-    shipped table are each read at most once. Returns (validated knobs, where they came from: "explicit", "cache",
-    "table", "autotune" or "heuristic").
+    """Explicit > persistent cache > shipped table > (for "auto") a tune > knob model > heuristic, in one pass: the
+    cache and the shipped table are each read at most once. Returns (validated knobs, where they came from:
+    "explicit", "cache", "table", "autotune", "model" or "heuristic").
 
     knobs: a `knob_type` instance (used as is), a dict (overrides on top of the heuristic), None (cache, else
-    table, else heuristic) or "auto" (the same, with `tune()` instead of the heuristic on a miss: a shipped entry
-    counts as tuned).
+    table, else model, else heuristic) or "auto" (the same, with `tune()` instead of the model and the heuristic
+    on a miss: a shipped entry counts as tuned).
     shipped: returns the shipped table's knobs for this layer (shim/common/knob_table.py), or None.
-    tune: runs the collective autotune and returns its winner (knobs="auto" only).
+    model: returns a knob set derived from the tables for a geometry they do not cover (shim/sm90/knob_model.py),
+    or None.
+    tune: runs the collective autotune and returns its winner (knobs="auto" only; it takes the model's and the
+    heuristic's place).
     """
     from shim.common.knob_cache import KnobCache
 
@@ -79,4 +83,7 @@ def resolve_knob_set(knobs, *, knob_type: Type[K], heuristic: Callable[[], K], v
         return validate(knob_type.from_json(tuned)), "table"
     if knobs == "auto" and tune is not None:
         return validate(tune()), "autotune"
+    derived = model() if model is not None else None
+    if derived is not None:
+        return validate(knob_type.from_json(derived)), "model"
     return validate(heuristic()), "heuristic"

@@ -22,7 +22,7 @@ from shim.common.formats import FormatTable, KernelFormat
 
 __all__ = ["BACKENDS"]
 
-BACKENDS = FormatTable("sm100", gpu="Blackwell", cute_targets=("sm_100", "sm_103"), rows=(
+BACKENDS = FormatTable("sm100", cute_targets=("sm_100", "sm_103"), rows=(
     KernelFormat(
         backend="sm100_nvfp4_cutedsl", arch="sm100", fmt="nvfp4",
         description="Blackwell NVFP4 MegaMoE (CuTe DSL)",

@@ -4,8 +4,9 @@ the Blackwell weight layout (shim/sm100/weights.py) and the block-scaled activat
 Everything a frontend does whatever the tree (kernel object -> workspace sizes -> symmetric buffers -> one
 compile -> padded launch) is shim.common.frontend.MegaMoEFrontend; the format frontends
 (shim/sm100/{nvfp4,mxfp8,bf16}_frontend.py) say which kernel and constructor arguments, which peer-read
-buffers and how to fill them, and what the launch passes. The device (a Blackwell GPU, or CUTE_DSL_ARCH for a
-compile without one) is checked once, by the backend (shim/common/backend.py check_target). Launch policy (shared with the Hopper tree, whose
+buffers and how to fill them, and what the launch passes. The device (a Blackwell GPU) is checked once, by the
+layer before the backend is imported (moe_ep.core.device.require_arch); a compile without one needs CUTE_DSL_ARCH
+(shim/common/backend.py check_compile_target). Launch policy (shared with the Hopper tree, whose
 token-communication code these kernels share): inputs are capacity-sized with spare rows routed to expert
 -1; the top-k reduce covers the T real rows.
 

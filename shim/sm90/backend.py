@@ -14,6 +14,11 @@ class Sm90Backend(KernelBackend):
     table = BACKENDS
     knobs_module = sm90_knobs
 
+    def model_knobs(self):
+        from shim.sm90.knob_model import for_backend
+
+        return for_backend(self)
+
     def autotune(self, weights):
         from shim.sm90 import tune
 

@@ -16,7 +16,7 @@ from shim.common.formats import FormatTable, KernelFormat
 
 __all__ = ["BACKENDS"]
 
-BACKENDS = FormatTable("sm90", gpu="Hopper", cute_targets=("sm_90",), rows=(
+BACKENDS = FormatTable("sm90", cute_targets=("sm_90",), rows=(
     KernelFormat(
         backend="sm90_fp8_cutedsl", arch="sm90", fmt="fp8_block",
         description="Hopper FP8 MegaMoE, blockwise scales (CuTe DSL)",

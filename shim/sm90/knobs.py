@@ -145,9 +145,9 @@ def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm90Knobs:
 
 
 def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None, shipped=None,
-                  tune=None) -> Tuple[Sm90Knobs, str]:
-    """Explicit > persistent cache > shipped table > ("auto": tune()) > heuristic, in one pass
+                  model=None, tune=None) -> Tuple[Sm90Knobs, str]:
+    """Explicit > persistent cache > shipped table > ("auto": tune()) > knob model > heuristic, in one pass
     (shim.common.knobs.resolve_knob_set). Returns (knobs, where they came from)."""
     return resolve_knob_set(knobs, knob_type=Sm90Knobs, heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank),
                             validate=lambda k: k.validate(fmt), cache_key=cache_key, cache=cache, shipped=shipped,
-                            tune=tune)
+                            model=model, tune=tune)

@@ -7,8 +7,9 @@ the venv that the outer build already extracted are handed to it with --override
 and it creates no convenience symlinks in the workspace (--symlink_prefix=/).
 
 Needs in the test's data: //:WORKSPACE (to find the source tree) and the carrier.json of each
-drop repository (to find the outer extracted trees). Tag such tests `external` (never cached:
-what they check is the whole workspace, not only their declared inputs).
+drop repository (to find the outer extracted trees), and //tools/bazel:source_digest: what such
+a test checks is the whole workspace, not only its declared inputs, and the digest (of every source
+file, written at the start of each build) makes its cached result expire when any of them changes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """BUILD files get Python rules from //tools/bazel:py.bzl only.
 
 That one file is what changes when rules_python replaces Bazel's built-in rules. Scans every
-BUILD / BUILD.bazel / *.BUILD / *.bzl file of the source tree (not only this test's inputs, so
-the test is tagged `external` and never cached), the downstream example workspace included.
+BUILD / BUILD.bazel / *.BUILD / *.bzl file of the source tree (not only this test's inputs: the
+source digest among its data reruns it when any of them changes), the downstream example workspace
+included.
 The BUILD files applied to the drops, the generated @moe_ep_python BUILD and an engine's BUILD
 files reach the same file as `@megamoe_ep//tools/bazel:py.bzl`.
 """

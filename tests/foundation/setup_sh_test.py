@@ -2,8 +2,9 @@
 
 Runs the real script against stand-ins on PATH: `apt-get` answers with apt's own lock error a set
 number of times (then installs), `dpkg-query` reports bazel-bootstrap once "installed", `sudo` runs
-its arguments. Nothing touches the machine's package manager. `external`: the script is read from
-the source tree (tools/ exports no file label for it).
+its arguments. Nothing touches the machine's package manager. The script is read from the source
+tree (tools/ exports no file label for it); the source digest among the test's data reruns it when
+the script changes.
 """
 
 import subprocess

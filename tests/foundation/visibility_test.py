@@ -1,8 +1,10 @@
-"""The layering rule bites: Bazel rejects a dependency on a kernel package from outside //shim.
+"""The layering rule bites: Bazel rejects a dependency on a kernel package from outside //shim; and the
+one-tree rule bites: a target on both kernel trees fails its analysis.
 
 Builds (analysis only) the manual fixtures in //tests/fixtures/visibility with a nested Bazel:
-the control target must pass, and each violation must fail with Bazel's visibility error
-naming the kernel package and the offending target.
+the control target must pass, each violation must fail with Bazel's visibility error
+naming the kernel package and the offending target, and the binary on both arch targets must fail
+with the one-tree check's error naming both (tools/bazel/one_tree.bzl).
 """
 
 import sys
@@ -19,30 +21,59 @@ VIOLATIONS = {
 }
 
 
-def _analyse(target):
-    return nested_bazel.bazel("build", ["--nobuild", "--symlink_prefix=/", "--keep_going", target])
+CONTROL = f"{FIXTURES}:control_reads_tree_files"
+BOTH = f"{FIXTURES}:both_trees"
 
 
-def test_control_fixture_analyses():
-    proc = _analyse(f"{FIXTURES}:control_reads_tree_files")
-    if proc.returncode != 0:
-        pytest.fail(f"the control fixture must build; nested bazel said:\n{nested_bazel.errors(proc)}", pytrace=False)
+@pytest.fixture(scope="module")
+def analysis():
+    """One nested analysis of every fixture (--keep_going: each one's outcome is reported): its stderr."""
+    proc = nested_bazel.bazel("build", ["--nobuild", "--symlink_prefix=/", "--keep_going", CONTROL, BOTH,
+                                        *sorted(VIOLATIONS)])
+    if proc.returncode == 0:
+        pytest.fail("every fixture analysed, the violations included", pytrace=False)
+    return proc
+
+
+def _not_built(proc, target):
+    return f"errors encountered while analyzing target '{target}'" in proc.stderr
+
+
+def test_control_fixture_analyses(analysis):
+    if _not_built(analysis, CONTROL):
+        pytest.fail(f"the control fixture must build; nested bazel said:\n{nested_bazel.errors(analysis)}",
+                    pytrace=False)
 
 
 @pytest.mark.parametrize("target", sorted(VIOLATIONS))
-def test_kernel_dependency_outside_shim_is_rejected(target):
+def test_kernel_dependency_outside_shim_is_rejected(analysis, target):
     kernel = VIOLATIONS[target]
-    proc = _analyse(target)
-    if proc.returncode == 0:
+    if not _not_built(analysis, target):
         pytest.fail(f"{target} depends on {kernel} from outside //shim and still built", pytrace=False)
-    expected = f"target '{kernel}' is not visible from target '{target}'"
-    if expected not in proc.stderr:
+    # Reported from the target itself or from its one-tree check (`<target>.one_tree`, analysed first: same deps).
+    expected = f"target '{kernel}' is not visible from target '{target}"
+    if expected not in analysis.stderr:
         pytest.fail(
             f"{target} failed, but not with the visibility error ({expected!r}); nested bazel said:\n"
-            f"{nested_bazel.errors(proc)}",
+            f"{nested_bazel.errors(analysis)}",
             pytrace=False,
         )
     print(f"rejected as expected: {expected}")
+
+
+def test_a_target_on_both_trees_fails_analysis_naming_both(analysis):
+    if not _not_built(analysis, BOTH):
+        pytest.fail(f"{BOTH} depends on both kernel trees and still analysed", pytrace=False)
+    said = analysis.stderr
+    want = [f"{BOTH} depends on both kernel trees",
+            f"sm90 (Hopper): {BOTH} -> //moe_ep:moe_ep_hopper ->",
+            f"sm100 (Blackwell): {BOTH} -> //moe_ep:moe_ep_blackwell ->",
+            "@cutedsl_megamoe_sm90//:", "@cutedsl_megamoe_sm100//:"]
+    missing = [w for w in want if w not in said]
+    if missing:
+        pytest.fail(f"{BOTH} failed, but its error lacks {missing}; nested bazel said:\n{nested_bazel.errors(analysis)}",
+                    pytrace=False)
+    assert f"not visible from target '{BOTH}" not in said  # refused by the one-tree check, not by visibility
 
 
 if __name__ == "__main__":

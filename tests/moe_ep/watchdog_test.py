@@ -12,7 +12,31 @@ import torch
 
 import moe_ep
 from moe_ep.core import watchdog as wd
+from moe_ep.core.watchdog import events, monitor, ring
 from tests.support.dist import one_rank_gloo_group
+
+
+# -- the package -----------------------------------------------------------------------------------------------
+# One concern a module, each importing only modules above it in this order (no circle).
+MODULES = ("bound", "verdict", "events", "store", "sequence", "divergence", "alarm", "ring", "monitor",
+           "watches")
+
+
+def test_the_package_modules_import_only_downward():
+    import ast
+    from pathlib import Path
+
+    pkg = Path(wd.__file__).parent
+    assert sorted(p.stem for p in pkg.glob("*.py") if p.stem != "__init__") == sorted(MODULES)
+    for k, name in enumerate(MODULES):
+        used = set()
+        for node in ast.walk(ast.parse((pkg / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "moe_ep.core.watchdog":
+                used |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moe_ep.core.watchdog."):
+                used.add(node.module.rsplit(".", 1)[1])
+        assert used <= set(MODULES[:k]), (name, used - set(MODULES[:k]))
+    assert set(wd.__all__) <= set(dir(wd)) and "watch" in wd.__all__ and callable(wd.watch)
 
 
 # -- the bound -----------------------------------------------------------------------------------------------
@@ -85,9 +109,9 @@ class FakeCuda:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     fake = FakeCuda()
-    monkeypatch.setattr(wd, "_cuda", fake)
-    m = wd._Monitor(threads=False)
-    evs = [FakeEvent() for _ in range(wd.RING)]
+    monkeypatch.setattr(events, "cuda", fake)
+    m = monitor.Monitor(threads=False)
+    evs = [FakeEvent() for _ in range(ring.RING)]
 
     def make(name, bound=5.0):
         w = wd.Watch(name, wd.Bound(bound, "test"), [0, 1], 0, "cpu", monitor=m)
@@ -116,7 +140,7 @@ def test_device_calls_are_confirmed_in_order(fake_cuda):
     m.confirm(time.monotonic())
     assert m.done_upto == 5
     owner, call, t0, state = m.oldest_unfinished()[0]
-    assert (owner.name, call, state) == ("layer", 7, wd._DEVICE)
+    assert (owner.name, call, state) == ("layer", 7, ring.DEVICE)
     assert m.progress()["layer"] == [10, 10, 6]
     for ev in fake.recorded:
         ev.done = True
@@ -139,7 +163,7 @@ def test_the_oldest_unfinished_call_trips_after_its_bound(fake_cuda, monkeypatch
     m.check_deadlines(now + 4.0)
     assert trips == []
     m.check_deadlines(now + 6.0)
-    assert trips == [("layer a", 2, wd._DEVICE)]
+    assert trips == [("layer a", 2, ring.DEVICE)]
 
 
 def test_a_call_stuck_on_the_host_trips_too(fake_cuda, monkeypatch):
@@ -154,7 +178,7 @@ def test_a_call_stuck_on_the_host_trips_too(fake_cuda, monkeypatch):
     m.confirm(now)
     assert m.done_upto == 0
     m.check_deadlines(now + 2.5)
-    assert trips == [("host stuck", 2, wd._HOST)]
+    assert trips == [("host stuck", 2, ring.HOST)]
 
 
 def test_many_calls_in_flight_use_a_binary_search_and_two_streams_a_walk(fake_cuda):
@@ -191,10 +215,10 @@ def test_captured_calls_nested_calls_and_a_full_ring(fake_cuda):
     assert (inner.started, inner.returned, outer.started) == (2, 2, 1)
     # The ring full of calls in flight: the captured call's slot (finished) is taken again, then the next call
     # cannot be watched (the outer call, unfinished, is never overwritten)
-    for _ in range(wd.RING - 1):
+    for _ in range(ring.RING - 1):
         _call(inner)
-    assert m.next_g == wd.RING + 1 and m.done_upto == 0  # the outer call (1) has not finished
-    assert _call(inner) == -1 and m.next_g == wd.RING + 1 and inner.started == wd.RING + 2
+    assert m.next_g == ring.RING + 1 and m.done_upto == 0  # the outer call (1) has not finished
+    assert _call(inner) == -1 and m.next_g == ring.RING + 1 and inner.started == ring.RING + 2
     assert m.oldest_unfinished()[0][:2] == (outer, 1)
     for ev in fake.recorded:
         ev.done = True
@@ -300,15 +324,15 @@ def test_layer_names_bounds_and_counts(group, monkeypatch):
             b(x.float(), idx, w)  # raises inside the watched call: it ends there
         b(x, idx, w)
         assert (b._watch.started, b._watch.returned) == (5, 5)
-        assert wd._monitor().depth == 0
-        assert wd._monitor().progress()["experts.7"][:2] == [5, 5]
+        assert monitor.get().depth == 0
+        assert monitor.get().progress()["experts.7"][:2] == [5, 5]
         b.watched = False  # paused: calls are not watched (nor counted), the Watch stays
         b(x, idx, w)
         assert not b.watched and b.watch is not None and b._watch.started == 5
         b.watched = True
         b(x, idx, w)
         assert b.watched and b._watch.started == 6
-    assert a._watch is None and "experts.7" not in wd._monitor().progress()
+    assert a._watch is None and "experts.7" not in monitor.get().progress()
     monkeypatch.setenv("MOE_EP_TIMEOUT_S", "0")
     with moe_ep.MoELayer(spec, _weights(), name="off") as off:
         assert off._watch is None and off.name == "off" and not off.watched

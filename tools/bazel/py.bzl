@@ -15,30 +15,34 @@ no per-package labels for PyPI packages: everything in the lock is importable by
 
 GPU tests: use gpu_py_test below; it tags each variant `gpu_<arch>` (plus `gpu`, `exclusive`),
 which the plain configuration filters out and --config=hopper / --config=blackwell select.
+
+One tree per process: every py_library / py_binary / py_test with deps carries a `<name>.one_tree` check
+(one_tree.bzl) that fails the target's analysis when its deps reach both kernel trees.
 """
 
 load("@bazel_tools//tools/python:toolchain.bzl", _py_runtime_pair = "py_runtime_pair")
+load(":one_tree.bzl", "with_one_tree_check")
 
 GPU_ARCHS = ["sm90", "sm100"]
 
-def py_library(**kwargs):
-    native.py_library(**kwargs)
+def py_library(name, **kwargs):
+    native.py_library(name = name, **with_one_tree_check(name, kwargs))
 
 # legacy_create_init = False: Bazel invents no __init__.py in runfiles, so the kernel trees stay
 # byte-identical to their manifests. This repo's .bazelrc says the same for every target
 # (--incompatible_default_to_explicit_init_py); the attribute makes it hold in a consumer's
 # workspace too, whatever its .bazelrc says.
-def py_binary(**kwargs):
+def py_binary(name, **kwargs):
     kwargs.setdefault("python_version", "PY3")
     kwargs.setdefault("srcs_version", "PY3")
     kwargs.setdefault("legacy_create_init", False)
-    native.py_binary(**kwargs)
+    native.py_binary(name = name, **with_one_tree_check(name, kwargs))
 
-def py_test(**kwargs):
+def py_test(name, **kwargs):
     kwargs.setdefault("python_version", "PY3")
     kwargs.setdefault("srcs_version", "PY3")
     kwargs.setdefault("legacy_create_init", False)
-    native.py_test(**kwargs)
+    native.py_test(name = name, **with_one_tree_check(name, kwargs, testonly = True))
 
 def py_runtime(**kwargs):
     native.py_runtime(**kwargs)

@@ -32,12 +32,12 @@ import datetime
 import json
 import os
 import platform
-import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
 
+from moe_ep.core.dist import destroy_at_normal_exit
 from moe_ep.core.graphs import capture_graph
 from tools.bench.timing import (FUSED, REDUCE, STAGING, cuda_time_us, host_time_us, kernel_groups_us,
                                 paired_host_time_us)
@@ -57,16 +57,25 @@ def routing(t: int, e: int, k: int, gen: torch.Generator, device) -> tuple:
     return idx.to(device), w.to(device)
 
 
+def require_sm90(gpu: int = 0) -> None:
+    """The Hopper GPU these tools time the sm90 kernels on, or one line and exit status 2 (tools/require.py)."""
+    from tools.require import require
+
+    require(device="cuda", first=gpu, arch="sm90", backend="sm90_fp8_cutedsl", argument=None, arch_argument=None)
+
+
 def init_single_rank(port: str = "29517") -> torch.device:
     """GPU 0 and a one-rank process group (gloo for CPU tensors, NCCL for CUDA), unless one exists."""
     import torch.distributed as dist
 
+    require_sm90(0)
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", port)
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1, device_id=dev)
+        destroy_at_normal_exit()
     return dev
 
 
@@ -179,10 +188,12 @@ def _init(port: str = "29517"):
     if world == 1:
         return 0, 1, init_single_rank(port)
     local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    require_sm90(local)
     dev = torch.device("cuda", local)
     torch.cuda.set_device(dev)
     if not dist.is_initialized():
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
+        destroy_at_normal_exit()
     return dist.get_rank(), dist.get_world_size(), dev
 
 
@@ -461,9 +472,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         title = json.load(open(meta_path)).get("device", "") if os.path.exists(meta_path) else ""
         plot(rows, args.replot, title)
         return 0
-    if not torch.cuda.is_available():
-        print("the benchmark needs a CUDA GPU (sm90): none found", file=sys.stderr)
-        return 2
+    require_sm90(int(os.environ.get("LOCAL_RANK", "0")))
     rows = run(args)
     if not rows:  # ranks other than 0
         return 0

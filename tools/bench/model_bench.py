@@ -73,9 +73,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 128, 4096])
     ap.add_argument("--backend", default="sm90_fp8_cutedsl")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("the model benchmark needs a CUDA GPU", flush=True)
-        return 2
+    from tools.bench.bench import require_sm90
+
+    require_sm90(0)
     import moe_ep
     from moe_ep.core.graphs import capture_graph
     from moe_ep.testing.model import MoEBlock, MoEModel

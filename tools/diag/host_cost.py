@@ -31,9 +31,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
+    from tools.bench.bench import require_sm90
+
+    require_sm90(0)
     import moe_ep
     from moe_ep.core.validate import validate_forward
     from tools.bench.bench import GEOMS, bucket, init_single_rank, routing

@@ -313,6 +313,9 @@ def run_all(args) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    from tools.require import require
+
+    require("watchdog_demo", device, count=args.nproc if device == "cuda" else 1, count_argument="--nproc")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": device, "nproc": args.nproc,
             "bound (MOE_EP_TIMEOUT_S)": args.bound, "fault": f"rank {args.fault_rank}, call {args.fault_call}",
             "python": platform.python_version(), "host": platform.node()}

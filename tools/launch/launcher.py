@@ -82,6 +82,10 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":  # one GPU per rank (LOCAL_RANK = rank): refuse here, not once per rank
+        from tools.require import check_devices
+
+        check_devices("cuda", count=nproc, argument="device", count_argument="nproc")
     port = free_port()
     logdir = tempfile.mkdtemp(prefix="moe_ep_ranks_")
     procs, logs = [], []
@@ -192,6 +196,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="wall-clock limit for the whole launch (s)")
     ap.add_argument("--pg-timeout", type=float, default=300.0, help="process-group collective timeout (s)")
     args = ap.parse_args(own)
+    if args.device == "cuda":
+        from tools.require import require
+
+        require("launcher", "cuda", count=args.nproc, count_argument="--nproc")
     results = launch(_split_command(rest), args.nproc, device=args.device, timeout_s=args.timeout,
                      pg_timeout_s=args.pg_timeout)
     for r in results:

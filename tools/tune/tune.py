@@ -490,11 +490,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--force", action="store_true", help="tune keys already in the table again")
     args = ap.parse_args(argv)
-    import torch
+    from tools.require import local_gpu, require
 
-    if not torch.cuda.is_available():
-        print("tools.tune needs a Hopper GPU (none found)", file=sys.stderr)
-        return 2
+    require("tune", "cuda", first=local_gpu(), arch="sm90", backend="sm90_fp8_cutedsl", argument=None,
+            arch_argument=None)
     if args.world_size > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return tune_collective(args)
     return tune_world1(args)

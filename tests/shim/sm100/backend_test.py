@@ -82,7 +82,11 @@ def gloo_group():
         yield
 
 
-def test_a_layer_refuses_a_format_the_backend_does_not_serve(gloo_group):
+def test_a_layer_refuses_a_format_the_backend_does_not_serve(gloo_group, monkeypatch):
+    from moe_ep.core import layer as layer_module
+
+    # As on a Blackwell host: the layer's arch guard passes (on this CPU host it would refuse first).
+    monkeypatch.setattr(layer_module, "require_arch", lambda *a, **k: None)
     spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
     weights = moe_ep.ExpertWeights(torch.zeros(4, 256, 256, dtype=torch.bfloat16),
                                    torch.zeros(4, 256, 128, dtype=torch.bfloat16), rank=0, world_size=1, num_experts=4)
@@ -101,7 +105,8 @@ def test_a_layer_on_this_host_is_refused_naming_the_device(gloo_group, name):
     weights = moe_ep.ExpertWeights(w13, w2, rank=0, world_size=1, num_experts=4, **cal)
     with pytest.raises(moe_ep.BackendUnavailableError) as err:
         moe_ep.MoELayer(spec, weights, backend=name)
-    assert err.value.argument == "device" and "sm100" in str(err.value)
+    # The layer's arch guard (moe_ep.core.device.require_arch), before the backend's module is imported.
+    assert err.value.argument == "backend" and "sm100" in str(err.value) and "device is cpu" in str(err.value)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ def _trees():
 
 @pytest.mark.parametrize("tree_name", _trees())
 def test_committed_docs_are_fresh(tree_name):
-    # Under Bazel this file is a runfiles link into the checkout (tagged local +
-    # external: it reads the live tree and is never cached).
+    # Under Bazel this file is a runfiles link into the checkout (tagged local: it
+    # reads the live tree; the source digest in its data reruns it when that changes).
     repo = find_repo_root(Path(__file__).resolve().parent)
     tree = TREES[tree_name]
     path = docs_path(repo, tree)

@@ -22,7 +22,8 @@ from tools.drop.trees import find_repo_root
 
 def _repo_root() -> Path:
     # Under Bazel this file is a runfiles symlink to the checkout (the test is
-    # tagged local + external: it reads the live tree and is never cached).
+    # tagged local: it reads the live tree; the source digest in its data reruns it
+    # when that changes).
     return find_repo_root(Path(__file__).resolve().parent)
 
 
