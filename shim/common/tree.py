@@ -34,9 +34,11 @@ from typing import Dict, List, Optional, Tuple
 
 from moe_ep.core.errors import BackendUnavailableError
 from shim.common import integrity as _integrity
+from shim.common.tree_facts import DROP_PACKAGES as _DROP_PACKAGES
+from shim.common.tree_facts import KERNEL_NAMES, TREES, TreeFacts
 
 __all__ = [
-    "TreeSpec", "TREES", "UNPINNED_ENV", "TreeConflictError", "TreeNotFoundError", "TreeIntegrityError",
+    "KERNEL_NAMES", "TREES", "UNPINNED_ENV", "TreeConflictError", "TreeNotFoundError", "TreeIntegrityError",
     "UnpinnedTreeWarning", "activate", "active_tree", "check_module", "locate", "tree_provenance",
 ]
 
@@ -59,42 +61,6 @@ class TreeIntegrityError(BackendUnavailableError):
 class UnpinnedTreeWarning(UserWarning):
     """An env-var tree that matches no pinned manifest was loaded because MOE_EP_UNPINNED_TREE opted in."""
 
-
-@dataclass(frozen=True)
-class TreeSpec:
-    arch: str
-    repo_name: str  # Bazel external repository holding the tree
-    env_var: str  # outside Bazel: path to the tree's src/ root
-    marker: str  # a package only this tree has
-    top_level: Tuple[str, ...]
-    wheel_subdir: str = ""  # where the tree sits in the flashinfer-python wheel (for messages)
-
-
-TREES: Dict[str, TreeSpec] = {
-    "sm90": TreeSpec(
-        arch="sm90",
-        repo_name="cutedsl_megamoe_sm90",
-        env_var="MOE_EP_SM90_TREE",
-        marker="moe_hopper_fp8",
-        top_level=("common", "src", "moe_hopper_fp8", "moe_hopper_bf16", "moe_nvfp4_swapab"),
-        wheel_subdir="flashinfer/moe_ep/kernel_src/sm90/pull_style_cutedsl_megakernel/src/",
-    ),
-    "sm100": TreeSpec(
-        arch="sm100",
-        repo_name="cutedsl_megamoe_sm100",
-        env_var="MOE_EP_SM100_TREE",
-        marker="moe_mxfp8_glu",
-        top_level=(
-            "common", "src", "moe_bf16_glu", "moe_mxfp8_glu", "moe_mxfp8_bf16_glu", "moe_nvfp4_swapab",
-        ),
-        wheel_subdir="flashinfer/moe_ep/kernel_src/sm100/cutedsl_megamoe/src/",
-    ),
-}
-
-# Every top-level name either tree defines: an import under one of these is a kernel import.
-KERNEL_NAMES = frozenset(n for s in TREES.values() for n in s.top_level)
-# Names only the drops use (not the generic `common` / `src`): a sys.path entry holding one is a tree.
-_DROP_PACKAGES = KERNEL_NAMES - {"common", "src"}
 
 # Directories holding the committed manifests (<arch>.manifest.json). None: this checkout's
 # third_party/cutedsl_megamoe/, found next to this file as laid out in the runfiles and, following the
@@ -135,11 +101,11 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root + os.sep)
 
 
-def _is_tree(path: str, spec: TreeSpec) -> bool:
+def _is_tree(path: str, spec: TreeFacts) -> bool:
     return os.path.isdir(os.path.join(path, spec.marker))
 
 
-def _bazel_roots(spec: TreeSpec) -> List[str]:
+def _bazel_roots(spec: TreeFacts) -> List[str]:
     """The drop repository as Bazel lays it out (sys.path entries and runfiles roots named by the repo)."""
     found: List[str] = []
     cands = [e for e in sys.path if e and os.path.basename(os.path.normpath(e)) == spec.repo_name]
@@ -154,7 +120,7 @@ def _bazel_roots(spec: TreeSpec) -> List[str]:
     return found
 
 
-def _env_root(spec: TreeSpec) -> Optional[str]:
+def _env_root(spec: TreeFacts) -> Optional[str]:
     value = os.environ.get(spec.env_var)
     if not value:
         return None
@@ -163,7 +129,7 @@ def _env_root(spec: TreeSpec) -> Optional[str]:
         raise TreeNotFoundError(
             spec.env_var,
             f"{spec.env_var}={value} is not the {spec.arch} tree's src/ root (no {spec.marker}/ in it). Point it at "
-            f"the {spec.wheel_subdir} directory of an extracted flashinfer-python wheel, or unset it under Bazel.",
+            f"the {spec.wheel_prefix} directory of an extracted flashinfer-python wheel, or unset it under Bazel.",
         )
     return root
 
@@ -275,7 +241,7 @@ def _where(root: str, rel: str) -> str:
     return path if real == path else f"{path} -> {real}"
 
 
-def _no_pin_error(spec: TreeSpec, argument: str) -> TreeIntegrityError:
+def _no_pin_error(spec: TreeFacts, argument: str) -> TreeIntegrityError:
     return TreeIntegrityError(
         argument,
         f"no pinned manifest of the {spec.arch} tree was found to check it against (looked for "
@@ -285,7 +251,7 @@ def _no_pin_error(spec: TreeSpec, argument: str) -> TreeIntegrityError:
     )
 
 
-def _bazel_integrity_error(spec: TreeSpec, check: _Check) -> TreeIntegrityError:
+def _bazel_integrity_error(spec: TreeFacts, check: _Check) -> TreeIntegrityError:
     first = (check.diff.changed + check.diff.added + check.diff.removed)[:1]
     where = f" (first: {_where(check.root, first[0])})" if first else ""
     return TreeIntegrityError(
@@ -298,7 +264,7 @@ def _bazel_integrity_error(spec: TreeSpec, check: _Check) -> TreeIntegrityError:
     )
 
 
-def _env_integrity_error(spec: TreeSpec, check: _Check, bazel_root: Optional[str]) -> TreeIntegrityError:
+def _env_integrity_error(spec: TreeFacts, check: _Check, bazel_root: Optional[str]) -> TreeIntegrityError:
     version = check.pin.version if check.pin else "the pinned version"
     under_bazel = (
         f" Under Bazel the variable is not needed (the pinned tree is in the runfiles: {bazel_root}); unset it "
@@ -308,7 +274,7 @@ def _env_integrity_error(spec: TreeSpec, check: _Check, bazel_root: Optional[str
         spec.env_var,
         f"{spec.env_var}={check.root} does not match {_pin_text(check.pin)}: {check.diff.counts()} file(s): "
         f"{check.diff.describe()}. A tree named by {spec.env_var} must be a clean extraction of the pinned drop: "
-        f"point it at the {spec.wheel_subdir} directory of flashinfer-python=={version}, or declare this tree "
+        f"point it at the {spec.wheel_prefix} directory of flashinfer-python=={version}, or declare this tree "
         f"unpinned with {UNPINNED_ENV}={spec.arch} (or =1): it then loads with a warning on every rank, recorded in "
         f"the logs (tree_provenance).{under_bazel}",
     )
@@ -327,7 +293,7 @@ class _Choice:
     note: str = ""
 
 
-def _choose(spec: TreeSpec) -> _Choice:
+def _choose(spec: TreeFacts) -> _Choice:
     bazel = _bazel_roots(spec)
     env = _env_root(spec)
     if env is not None and any(env == b for b in bazel):
@@ -338,7 +304,7 @@ def _choose(spec: TreeSpec) -> _Choice:
         raise TreeNotFoundError(
             spec.env_var,
             f"the {spec.arch} kernel tree was not found (looked in: {', '.join(tried)}). Under Bazel depend on "
-            f"//shim/{spec.arch}; elsewhere set {spec.env_var} to the drop's src/ root ({spec.wheel_subdir} of the "
+            f"//shim/{spec.arch}; elsewhere set {spec.env_var} to the drop's src/ root ({spec.wheel_prefix} of the "
             "flashinfer-python wheel).",
         )
 
@@ -478,7 +444,7 @@ def _rank_prefix() -> str:
     return ""
 
 
-def _warn_unpinned(spec: TreeSpec, choice: _Choice) -> None:
+def _warn_unpinned(spec: TreeFacts, choice: _Choice) -> None:
     check = choice.check
     what = (f"does not match {_pin_text(check.pin)} ({check.diff.counts()}: {check.diff.describe(4)})"
             if check.pin else "could not be checked (no pinned manifest found)")

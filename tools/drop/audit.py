@@ -35,7 +35,7 @@ from tools.drop.callsites import ArgSite, Backend, Pair, ShimModel
 from tools.drop.inventory import Inventory, PackageDiff, diff_inventories, is_compiled, package_renames
 from tools.drop.shim_scan import ImportRow, knob_key_lines, knob_space, lazy_tables, scan_imports
 from tools.drop.source_model import DropIndex, SymbolResolution
-from tools.drop.trees import KERNEL_TOP_LEVEL, Tree
+from shim.common.tree_facts import KERNEL_NAMES, TreeFacts
 
 __all__ = ["AuditResult", "Finding", "KnobRow", "run_audit", "STATUS_ORDER", "EXIT_OK", "EXIT_ALL_BREAK",
            "EXIT_USAGE", "EXIT_SOME_BREAK"]
@@ -240,7 +240,7 @@ class _Impact:
 
 def run_audit(
     repo_root: Path,
-    tree: Tree,
+    tree: TreeFacts,
     new_root: Path,
     old_inventory: Inventory,
     new_inventory: Inventory,
@@ -251,12 +251,12 @@ def run_audit(
 ) -> AuditResult:
     repo_root = Path(repo_root)
     index = DropIndex(new_root)
-    kernel_names = set(KERNEL_TOP_LEVEL) | set(index.top_level_packages())
+    kernel_names = set(KERNEL_NAMES) | set(index.top_level_packages())
     findings: List[Finding] = []
 
     # -- tree ------------------------------------------------------------
     if location and location.get("moved"):
-        findings.append(Finding("tree", "note", tree.name,
+        findings.append(Finding("tree", "note", tree.arch,
                                 f"tree moved inside the wheel: {location['expected']} -> {location['prefix']} "
                                 "(found by content; the bump pins the new prefix)"))
 
@@ -286,12 +286,12 @@ def run_audit(
             for rel in d.changed:
                 findings.append(Finding("files", "note", rel, "file changed"))
 
-    model = ShimModel(repo_root, tree.name, kernel_names, drop_module_exists=index.module_exists)
-    rows = scan_imports(repo_root, tree.name, kernel_names)
+    model = ShimModel(repo_root, tree.arch, kernel_names, drop_module_exists=index.module_exists)
+    rows = scan_imports(repo_root, tree.arch, kernel_names)
     impact = _Impact(model, index, rows, contract)
 
     # -- imports ---------------------------------------------------------
-    shim_found = (repo_root / "shim" / tree.name).is_dir()
+    shim_found = (repo_root / "shim" / tree.arch).is_dir()
     import_rows: List[Tuple[ImportRow, SymbolResolution]] = []
     for row in rows:
         res = index.resolve_symbol(row.module, row.name)
@@ -311,13 +311,13 @@ def run_audit(
             findings.append(Finding("imports", "unchecked", f"{row.file}:{row.lineno} {subject}", res.detail))
 
     # -- signatures ------------------------------------------------------
-    lazy = lazy_tables(repo_root, tree.name, kernel_names)
+    lazy = lazy_tables(repo_root, tree.arch, kernel_names)
     current = contract_mod.kernel_classes(index, lazy)
     signatures: Dict[str, Dict[str, List[contract_mod.ParamChange]]] = {}
     recorded = (contract or {}).get("classes", {})
     if contract is None and current:
         findings.append(
-            Finding("signatures", "warn", tree.name, "no contract recorded: review, then bump --accept-contract")
+            Finding("signatures", "warn", tree.arch, "no contract recorded: review, then bump --accept-contract")
         )
     reported: set = set()  # (class, method, param) already judged from the contract diff
     for name, entry in sorted(recorded.items()):
@@ -356,7 +356,7 @@ def run_audit(
             )
 
     # -- knobs -----------------------------------------------------------
-    knob_file, space = knob_space(repo_root, tree.name)
+    knob_file, space = knob_space(repo_root, tree.arch)
     key_lines = knob_key_lines(repo_root, knob_file) if knob_file else {}
     knob_rows: List[KnobRow] = []
     table_only: List[Tuple[str, str, str]] = []
@@ -416,7 +416,7 @@ def run_audit(
 
     findings.sort(key=lambda f: (STATUS_ORDER[f.status], SECTION_ORDER[f.section], f.subject))
     return AuditResult(
-        tree=tree.name,
+        tree=tree.arch,
         old_label=old_label,
         new_label=new_label,
         package_diffs=diffs,

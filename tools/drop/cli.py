@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from shim.common.tree_facts import KERNEL_NAMES, TREES, TreeFacts
 from third_party.cutedsl_megamoe import manifest as manifest_mod
 from tools.drop import contract as contract_mod
 from tools.drop import docs as docs_mod
@@ -45,7 +46,7 @@ from tools.drop.tables import render_stale, stale_entries
 from tools.drop.shim_scan import lazy_tables
 from tools.drop.source_model import DropIndex
 from tools.drop.transaction import Transaction
-from tools.drop.trees import KERNEL_TOP_LEVEL, TREES, Tree, find_repo_root, runfiles_tree_root
+from tools.drop.trees import find_repo_root, runfiles_tree_root
 
 __all__ = ["main", "EXIT_OK", "EXIT_ALL_BREAK", "EXIT_USAGE", "EXIT_SOME_BREAK"]
 
@@ -71,7 +72,7 @@ def _cache_dir(args, repo: Path) -> Path:
     return Path(args.cache_dir).resolve() if args.cache_dir else default_cache_dir(repo)
 
 
-def _trees(name: str) -> List[Tree]:
+def _trees(name: str) -> List[TreeFacts]:
     return list(TREES.values()) if name == "all" else [TREES[name]]
 
 
@@ -82,7 +83,7 @@ def _user_path(option: str) -> Path:
     return p if p.is_absolute() or not cwd else Path(cwd) / p
 
 
-def _pinned_prefix(repo: Path, tree: Tree) -> str:
+def _pinned_prefix(repo: Path, tree: TreeFacts) -> str:
     bzl = workspace_bzl(repo)
     if bzl.is_file():
         prefix = read_strip_prefix(bzl.read_text(encoding="utf-8"), tree)
@@ -91,7 +92,7 @@ def _pinned_prefix(repo: Path, tree: Tree) -> str:
     return tree.wheel_prefix.rstrip("/")
 
 
-def _reference(repo: Path, tree: Tree) -> Optional[dict]:
+def _reference(repo: Path, tree: TreeFacts) -> Optional[dict]:
     """{rel: sha256} of the committed manifest: what finds the tree in a wheel by content."""
     path = manifest_path(repo, tree)
     if not path.is_file():
@@ -99,7 +100,7 @@ def _reference(repo: Path, tree: Tree) -> Optional[dict]:
     return {rel: e.sha256 for rel, e in load_manifest_file(path).items()}
 
 
-def _fetch(args, repo: Path, tree: Tree, version: str, expected_sha: Optional[str] = None,
+def _fetch(args, repo: Path, tree: TreeFacts, version: str, expected_sha: Optional[str] = None,
            expected_from: str = "the pin") -> Tuple[Path, str, TreeLocation]:
     return tree_for_version(
         version, tree, _cache_dir(args, repo), expected_sha256=expected_sha, log=_log, expected_from=expected_from,
@@ -117,7 +118,7 @@ def real_tree_dir(root: Path) -> Path:
     return Path(root)
 
 
-def pinned_tree_root(repo: Path, tree: Tree, cache_dir: Path, explicit: Optional[str] = None) -> Tuple[Path, str]:
+def pinned_tree_root(repo: Path, tree: TreeFacts, cache_dir: Path, explicit: Optional[str] = None) -> Tuple[Path, str]:
     """(root, how found) of the pinned drop tree, without importing anything from it."""
     if explicit:
         root = Path(explicit).resolve()
@@ -129,7 +130,7 @@ def pinned_tree_root(repo: Path, tree: Tree, cache_dir: Path, explicit: Optional
         return Path(env), f"${tree.env_var}"
     root = runfiles_tree_root(tree)
     if root is not None:
-        return root, f"@{tree.bazel_repo} (runfiles)"
+        return root, f"@{tree.repo_name} (runfiles)"
     pins = read_pins_file(repo, tree)
     if pins is None:
         raise UsageError(f"no pin in {workspace_bzl(repo)}; pass --tree-root or set ${tree.env_var}")
@@ -139,12 +140,12 @@ def pinned_tree_root(repo: Path, tree: Tree, cache_dir: Path, explicit: Optional
     return root, f"pip cache ({version}, sha256 verified)"
 
 
-def _pin_label(repo: Path, tree: Tree) -> str:
+def _pin_label(repo: Path, tree: TreeFacts) -> str:
     pins = read_pins_file(repo, tree)
     return pins[0] if pins else "unpinned"
 
 
-def _old_inventory(args, repo: Path, tree: Tree, against: Optional[str], new_inv: Inventory) -> Tuple[Inventory, str]:
+def _old_inventory(args, repo: Path, tree: TreeFacts, against: Optional[str], new_inv: Inventory) -> Tuple[Inventory, str]:
     if against is None:
         manifest = manifest_path(repo, tree)
         if manifest.is_file():
@@ -159,13 +160,13 @@ def _old_inventory(args, repo: Path, tree: Tree, against: Optional[str], new_inv
     return inventory_of_tree(root), against
 
 
-def _report_path(repo: Path, tree: Tree, old: str, new: str, option: Optional[str]) -> Optional[Path]:
+def _report_path(repo: Path, tree: TreeFacts, old: str, new: str, option: Optional[str]) -> Optional[Path]:
     if option == "-":
         return None
     if option and option != "default":
         return _user_path(option)
     slug = lambda s: s.split(" ")[0].replace("/", "_")  # noqa: E731
-    return repo / "docs" / "drop" / f"audit-{tree.name}-{slug(old)}-to-{slug(new)}.md"
+    return repo / "docs" / "drop" / f"audit-{tree.arch}-{slug(old)}-to-{slug(new)}.md"
 
 
 def _command_line() -> str:
@@ -202,10 +203,10 @@ def cmd_audit(args, repo: Path) -> int:
             root, how = pinned_tree_root(repo, tree, _cache_dir(args, repo), args.tree_root)
             new_label = str(root) if args.tree_root else _pin_label(repo, tree)
         real = real_tree_dir(root)
-        _log(f"{tree.name}: new drop from {how}: {real}")
+        _log(f"{tree.arch}: new drop from {how}: {real}")
         new_inv = inventory_of_tree(real)
         old_inv, old_label = _old_inventory(args, repo, tree, args.against, new_inv)
-        contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.name))
+        contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.arch))
         result = run_audit(repo, tree, root, old_inv, new_inv, old_label, new_label, contract, location)
         _emit(result, _report_path(repo, tree, old_label, new_label, args.report), _command_line())
         _tables(repo, tree, args.sha256 if args.version else None, new_label)
@@ -213,13 +214,13 @@ def cmd_audit(args, repo: Path) -> int:
     return code
 
 
-def _tables(repo: Path, tree: Tree, sha: Optional[str], label: str) -> None:
+def _tables(repo: Path, tree: TreeFacts, sha: Optional[str], label: str) -> None:
     """Shipped knob tables measured on another drop than the audited one (they are no longer used)."""
     if sha is None:
         pins = read_pins_file(repo, tree)
         sha = pins[1] if pins else None
     if sha:
-        print(render_stale(stale_entries(repo, tree.name, sha), tree.name, label), end="")
+        print(render_stale(stale_entries(repo, tree.arch, sha), tree.arch, label), end="")
 
 
 def _combine(a: int, b: int) -> int:
@@ -236,15 +237,15 @@ def _check_sha(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def _next_steps(tree: Tree, version: str, sha: str, result: AuditResult, report: Optional[Path], repo: Path) -> str:
+def _next_steps(tree: TreeFacts, version: str, sha: str, result: AuditResult, report: Optional[Path], repo: Path) -> str:
     where = f" (report: {report.relative_to(repo) if report and report.is_relative_to(repo) else report})" if report else ""
     return (
         f"\nbump refused: {result.verdict()}{where}.\n"
         "Nothing but the report was written: the pin, the manifest, the contract and the docs are as they were.\n"
         "To go on:\n"
         f"  1. fix shim/ (the report names each shim line and the backends it breaks); check with\n"
-        f"     bazel run //tools:drop -- audit --tree {tree.name} --version {version} --sha256 {sha}\n"
-        f"  2. accept: bazel run //tools:drop -- bump --tree {tree.name} --version {version} --sha256 {sha} --accept-contract\n"
+        f"     bazel run //tools:drop -- audit --tree {tree.arch} --version {version} --sha256 {sha}\n"
+        f"  2. accept: bazel run //tools:drop -- bump --tree {tree.arch} --version {version} --sha256 {sha} --accept-contract\n"
     )
 
 
@@ -263,7 +264,7 @@ def cmd_bump(args, repo: Path) -> int:
 
     # 1. Fetch and verify: a hash other than the announced one is refused before anything is written.
     new_root, new_sha, location = _fetch(args, repo, tree, args.version, announced, "--sha256 (announced)")
-    _log(f"{tree.name}: {tree.name} tree of flashinfer-python {args.version} (sha256 {new_sha}) at "
+    _log(f"{tree.arch}: {tree.arch} tree of flashinfer-python {args.version} (sha256 {new_sha}) at "
          f"{location.strip_prefix} ({location.how}{', MOVED from ' + location.expected.rstrip('/') if location.moved else ''})")
     if announced is None:
         _log(f"  no --sha256 given: pinning what pip served; compare {new_sha} with the announced hash")
@@ -281,12 +282,12 @@ def cmd_bump(args, repo: Path) -> int:
         old_inv = inventory_of_tree(old_root)
 
     # 3. Audit against the accepted contract (with call sites, so a fixed shim passes).
-    cpath = contract_mod.contract_path(repo, tree.name)
+    cpath = contract_mod.contract_path(repo, tree.arch)
     contract = contract_mod.load_contract(cpath)
     loc = location.as_dict()
     result = run_audit(repo, tree, new_root, old_inv, new_inv, old_version, args.version, contract, loc)
     report = _report_path(repo, tree, old_version, args.version, args.report)
-    command = f"bazel run //tools:drop -- bump --tree {tree.name} --version {args.version}" + (
+    command = f"bazel run //tools:drop -- bump --tree {tree.arch} --version {args.version}" + (
         f" --sha256 {announced}" if announced else "") + (" --accept-contract" if args.accept_contract else "")
 
     if result.breaks:
@@ -300,8 +301,8 @@ def cmd_bump(args, repo: Path) -> int:
     tx.write(manifest, manifest_mod.dumps(manifest_mod.compute_manifest(new_root, args.version, new_sha)))
     if args.accept_contract:
         index = DropIndex(new_root)
-        lazy = lazy_tables(repo, tree.name, set(KERNEL_TOP_LEVEL) | set(index.top_level_packages()))
-        contract = contract_mod.build_contract(index, lazy, tree.name, args.version)
+        lazy = lazy_tables(repo, tree.arch, set(KERNEL_NAMES) | set(index.top_level_packages()))
+        contract = contract_mod.build_contract(index, lazy, tree.arch, args.version)
         tx.write(cpath, contract_mod.dumps(contract))
         accepted = run_audit(repo, tree, new_root, old_inv, new_inv, old_version, args.version, contract, loc)
         _log("after accepting the contract: " + accepted.verdict())
@@ -337,15 +338,15 @@ def cmd_manifest(args, repo: Path) -> int:
     tx.write(out, manifest_mod.dumps(data))
     tx.commit()
     moved = f"; the tree MOVED from {location.expected.rstrip('/')} (pin the new STRIP_PREFIX)" if location.moved else ""
-    _log(f"manifest: {out} ({len(data['files'])} files, {tree.name} tree at {location.strip_prefix}{moved})")
+    _log(f"manifest: {out} ({len(data['files'])} files, {tree.arch} tree at {location.strip_prefix}{moved})")
     return EXIT_OK
 
 
-def render_docs_for(repo: Path, tree: Tree, cache_dir: Path, tree_root: Optional[str] = None) -> str:
+def render_docs_for(repo: Path, tree: TreeFacts, cache_dir: Path, tree_root: Optional[str] = None) -> str:
     """docs/drop/<tree>.md as it should read now (used by `docs` and by docs_fresh_test)."""
     root, how = pinned_tree_root(repo, tree, cache_dir, tree_root)
-    _log(f"{tree.name}: pinned drop from {how}: {root}")
-    contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.name))
+    _log(f"{tree.arch}: pinned drop from {how}: {root}")
+    contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.arch))
     return docs_mod.render_docs(repo, tree, root, inventory_of_tree(root), read_pins_file(repo, tree), contract,
                                 _pinned_prefix(repo, tree))
 

@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 from third_party.cutedsl_megamoe import manifest as _manifest
-from tools.drop.trees import CARRIER, Tree
+from shim.common.tree_facts import CARRIER, TreeFacts
 
 __all__ = [
     "FetchError",
@@ -170,7 +170,7 @@ def _under(names: List[str], prefix: str) -> Dict[str, str]:
     return {n[len(prefix):]: n for n in names if n.startswith(prefix)}
 
 
-def locate_tree(wheel: Path, tree: Tree, reference: Optional[Mapping[str, str]] = None,
+def locate_tree(wheel: Path, tree: TreeFacts, reference: Optional[Mapping[str, str]] = None,
                 expected_prefix: Optional[str] = None, strip_prefix: Optional[str] = None) -> TreeLocation:
     """Where `tree` sits in the wheel. `reference`: {rel path: sha256} of a known version of the
     tree (the committed manifest); without one, the tree's top-level packages are the signature."""
@@ -184,8 +184,8 @@ def locate_tree(wheel: Path, tree: Tree, reference: Optional[Mapping[str, str]] 
             return TreeLocation(prefix, expected, 1.0, "--strip-prefix")
         scores = _score(zf, names, tree, reference)
     if not scores:
-        raise FetchError(f"{wheel.name}: no directory looks like the {tree.name} tree "
-                         f"(none holds its files or its packages {sorted(tree.default_packages)})")
+        raise FetchError(f"{wheel.name}: no directory looks like the {tree.arch} tree "
+                         f"(none holds its files or its packages {sorted(tree.packages)})")
     ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0] != expected, kv[0]))
     best, best_score = ranked[0]
     runner = ranked[1] if len(ranked) > 1 else None
@@ -195,15 +195,15 @@ def locate_tree(wheel: Path, tree: Tree, reference: Optional[Mapping[str, str]] 
         others = [kv for kv in ranked if kv[0] != expected]
         return TreeLocation(expected, expected, at_expected, "expected path", others[0] if others else None)
     if best_score < 0.3:
-        raise FetchError(f"{wheel.name}: no directory is a convincing {tree.name} tree; best {best} "
+        raise FetchError(f"{wheel.name}: no directory is a convincing {tree.arch} tree; best {best} "
                          f"(score {best_score:.2f}); pass --strip-prefix")
     if runner is not None and runner[1] >= best_score - 0.02:
-        raise FetchError(f"{wheel.name}: two directories match the {tree.name} tree equally well: {best} "
+        raise FetchError(f"{wheel.name}: two directories match the {tree.arch} tree equally well: {best} "
                          f"({best_score:.2f}) and {runner[0]} ({runner[1]:.2f}); pass --strip-prefix")
     return TreeLocation(best, expected, best_score, "by content", runner)
 
 
-def _score(zf: zipfile.ZipFile, names: List[str], tree: Tree, reference: Optional[Mapping[str, str]]) -> Dict[str, float]:
+def _score(zf: zipfile.ZipFile, names: List[str], tree: TreeFacts, reference: Optional[Mapping[str, str]]) -> Dict[str, float]:
     ref = {rel: sha for rel, sha in (reference or {}).items() if not _manifest.is_compiled(rel)}
     if ref:
         counts = _candidates(names, ref)
@@ -220,7 +220,7 @@ def _score(zf: zipfile.ZipFile, names: List[str], tree: Tree, reference: Optiona
             out[prefix] = (out[prefix] + same / len(ref)) / 2
         return out
     # No reference: directories whose children are the tree's packages.
-    wanted = set(tree.default_packages)
+    wanted = set(tree.packages)
     found: Dict[str, set] = {}
     for name in names:
         parts = name.split("/")
@@ -271,7 +271,7 @@ def _has_compiled(root: Path) -> bool:
     return any(_manifest.is_compiled(p.relative_to(root).as_posix()) for p in root.rglob("*") if p.is_file())
 
 
-def tree_for_version(version: str, tree: Tree, cache_dir: Path, expected_sha256: Optional[str] = None, log=print,
+def tree_for_version(version: str, tree: TreeFacts, cache_dir: Path, expected_sha256: Optional[str] = None, log=print,
                      expected_from: str = "the pin", reference: Optional[Mapping[str, str]] = None,
                      expected_prefix: Optional[str] = None, strip_prefix: Optional[str] = None,
                      ) -> Tuple[Path, str, TreeLocation]:
@@ -285,12 +285,12 @@ def tree_for_version(version: str, tree: Tree, cache_dir: Path, expected_sha256:
     wheel, digest = fetch_wheel(version, cache_dir, log=log, expected_sha256=expected_sha256,
                                 expected_from=expected_from)
     location = locate_tree(wheel, tree, reference, expected_prefix, strip_prefix)
-    root = cache_dir / "trees" / version / tree.name
-    stamp = cache_dir / "trees" / version / f"{tree.name}.source.json"
+    root = cache_dir / "trees" / version / tree.arch
+    stamp = cache_dir / "trees" / version / f"{tree.arch}.source.json"
     if root.is_dir() and stamp.is_file():
         recorded = json.loads(stamp.read_text())
         if (recorded.get("sha256"), recorded.get("prefix")) == (digest, location.strip_prefix) and not _has_compiled(root):
             return root, digest, location
-    extract_tree(wheel, location.prefix, root, tree.name)
+    extract_tree(wheel, location.prefix, root, tree.arch)
     stamp.write_text(json.dumps({"wheel": wheel.name, "sha256": digest, "prefix": location.strip_prefix}, indent=2) + "\n")
     return root, digest, location

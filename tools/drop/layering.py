@@ -49,13 +49,13 @@ import textwrap
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
-from tools.drop.trees import KERNEL_TOP_LEVEL, TREES
+from shim.common.tree_facts import KERNEL_NAMES, TREES
 
 __all__ = ["Violation", "check_layering", "main"]
 
-SM90_ONLY = frozenset(TREES["sm90"].default_packages - TREES["sm100"].default_packages)
-SM100_ONLY = frozenset(TREES["sm100"].default_packages - TREES["sm90"].default_packages)
-SHARED = frozenset(TREES["sm90"].default_packages & TREES["sm100"].default_packages)
+SM90_ONLY = frozenset(TREES["sm90"].packages) - frozenset(TREES["sm100"].packages)
+SM100_ONLY = frozenset(TREES["sm100"].packages) - frozenset(TREES["sm90"].packages)
+SHARED = frozenset(TREES["sm90"].packages) & frozenset(TREES["sm100"].packages)
 
 # Strings that mark a sys.path entry as a kernel tree.
 _TREE_MARKERS = ("kernel_src", "cutedsl_megamoe", "pull_style_cutedsl_megakernel", "MOE_EP_SM90_TREE", "MOE_EP_SM100_TREE")
@@ -396,7 +396,7 @@ def _under(rel: Path, prefix: str) -> bool:
 
 def check_layering(repo_root: Path, kernel_names: Optional[Set[str]] = None) -> List[Violation]:
     repo_root = Path(repo_root)
-    kernel = set(kernel_names or KERNEL_TOP_LEVEL)
+    kernel = set(kernel_names or KERNEL_NAMES)
     out: List[Violation] = []
 
     for name in sorted(kernel):

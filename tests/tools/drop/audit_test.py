@@ -15,7 +15,7 @@ from tools.drop.inventory import inventory_of_tree
 from tools.drop.report import render_markdown, render_summary, render_terminal
 from tools.drop.shim_scan import lazy_tables
 from tools.drop.source_model import DropIndex, Param
-from tools.drop.trees import TREES
+from shim.common.tree_facts import TREES
 
 SM90 = TREES["sm90"]
 FP8 = ("sm90_fp8", "fp8_block")

@@ -16,7 +16,7 @@ from tools.drop import cli, fetch
 from tools.drop.fetch import HashMismatch, locate_tree, sha256_file
 from tools.drop.pins import PinError, read_pins, read_strip_prefix, rewrite_pins
 from tools.drop.transaction import Transaction
-from tools.drop.trees import TREES
+from shim.common.tree_facts import TREES
 
 SM90 = TREES["sm90"]
 SHA_A = "a" * 64

@@ -17,7 +17,8 @@ import pytest
 
 from tools.drop.cli import default_cache_dir, render_docs_for
 from tools.drop.docs import REFRESH_COMMAND, docs_path
-from tools.drop.trees import TREES, find_repo_root
+from shim.common.tree_facts import TREES
+from tools.drop.trees import find_repo_root
 
 
 def _trees():
