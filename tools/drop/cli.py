@@ -1,8 +1,8 @@
 """tools/drop: bump, audit and document a kernel drop.
 
-    bazel run //tools:drop -- audit [--tree sm90|sm100|all] [--version V | --tree-root PATH] [--against OLD]
-    bazel run //tools:drop -- bump --tree sm90 --version V [--sha256 HEX] [--accept-contract]
-    bazel run //tools:drop -- manifest --tree sm90|sm100 --version V --sha256 HEX --out PATH
+    bazel run //tools:drop -- audit [--tree sm90|sm100|all] [--version V | --wheel FILE | --tree-root PATH] [--against OLD]
+    bazel run //tools:drop -- bump --tree sm90 (--version V | --wheel FILE) [--sha256 HEX] [--accept-contract]
+    bazel run //tools:drop -- manifest --tree sm90|sm100 (--version V | --wheel FILE) --sha256 HEX --out PATH
     bazel run //tools:drop -- docs [--tree ...] [--check]
     bazel run //tools:drop -- layering
 
@@ -37,7 +37,8 @@ from tools.drop import contract as contract_mod
 from tools.drop import docs as docs_mod
 from tools.drop import layering as layering_mod
 from tools.drop.audit import EXIT_ALL_BREAK, EXIT_OK, EXIT_SOME_BREAK, EXIT_USAGE, AuditResult, run_audit
-from tools.drop.fetch import FetchError, TreeLocation, tree_for_version
+from tools.drop.fetch import (FetchError, TreeLocation, add_wheel, default_cache_dir, locate_in_directory,
+                             tree_for_version)
 from tools.drop.inventory import Inventory, inventory_of_tree, is_compiled, load_manifest_file
 from tools.drop.manifests import manifest_path
 from tools.drop.pins import PinError, read_pins, read_pins_file, read_strip_prefix, rewrite_pins, workspace_bzl
@@ -62,14 +63,8 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def default_cache_dir(repo: Path) -> Path:
-    if os.environ.get("MOE_EP_DROP_CACHE"):
-        return Path(os.environ["MOE_EP_DROP_CACHE"])
-    return Path(repo) / ".drop"  # git-ignored
-
-
-def _cache_dir(args, repo: Path) -> Path:
-    return Path(args.cache_dir).resolve() if args.cache_dir else default_cache_dir(repo)
+def _cache_dir(args) -> Path:
+    return _user_path(args.cache_dir).resolve() if args.cache_dir else default_cache_dir()
 
 
 def _trees(name: str) -> List[TreeFacts]:
@@ -101,12 +96,23 @@ def _reference(repo: Path, tree: TreeFacts) -> Optional[dict]:
 
 
 def _fetch(args, repo: Path, tree: TreeFacts, version: str, expected_sha: Optional[str] = None,
-           expected_from: str = "the pin") -> Tuple[Path, str, TreeLocation]:
+           expected_from: str = "the pin", new: bool = True) -> Tuple[Path, str, TreeLocation]:
+    """The tree of `version` from the cache or pip. `new`: the drop under audit, which --strip-prefix names."""
     return tree_for_version(
-        version, tree, _cache_dir(args, repo), expected_sha256=expected_sha, log=_log, expected_from=expected_from,
+        version, tree, _cache_dir(args), expected_sha256=expected_sha, log=_log, expected_from=expected_from,
         reference=_reference(repo, tree), expected_prefix=_pinned_prefix(repo, tree),
-        strip_prefix=getattr(args, "strip_prefix", None),
+        strip_prefix=getattr(args, "strip_prefix", None) if new else None,
     )
+
+
+def _take_handover(args, expected_sha: Optional[str], expected_from: str) -> None:
+    """--wheel: the file goes into the tool's wheel cache (hash-checked), and args.version is its version."""
+    if not getattr(args, "wheel", None):
+        if not args.version:
+            raise UsageError("name the drop: --version V (fetched with pip) or --wheel FILE (handed over)")
+        return
+    _, _, args.version = add_wheel(_user_path(args.wheel), _cache_dir(args), args.version, log=_log,
+                                   expected_sha256=expected_sha, expected_from=expected_from)
 
 
 def real_tree_dir(root: Path) -> Path:
@@ -118,13 +124,16 @@ def real_tree_dir(root: Path) -> Path:
     return Path(root)
 
 
-def pinned_tree_root(repo: Path, tree: TreeFacts, cache_dir: Path, explicit: Optional[str] = None) -> Tuple[Path, str]:
-    """(root, how found) of the pinned drop tree, without importing anything from it."""
+def pinned_tree_root(repo: Path, tree: TreeFacts, cache_dir: Path, explicit: Optional[str] = None,
+                     strip_prefix: Optional[str] = None) -> Tuple[Path, str]:
+    """(root, how found) of the pinned drop tree (or of `explicit`, a directory holding a tree: its import root
+    or anything above it, e.g. an unpacked wheel), without importing anything from it."""
     if explicit:
-        root = Path(explicit).resolve()
-        if not root.is_dir():
-            raise UsageError(f"--tree-root {root} is not a directory")
-        return root, "--tree-root"
+        given = _user_path(explicit).resolve()
+        if not given.is_dir():
+            raise UsageError(f"--tree-root {given} is not a directory")
+        root = locate_in_directory(given, tree, _reference(repo, tree), strip_prefix)
+        return root, "--tree-root" if root == given else f"--tree-root (found by content at {root.relative_to(given)})"
     env = os.environ.get(tree.env_var)
     if env and Path(env).is_dir():
         return Path(env), f"${tree.env_var}"
@@ -156,7 +165,7 @@ def _old_inventory(args, repo: Path, tree: TreeFacts, against: Optional[str], ne
         return inventory_of_tree(path), str(path)
     if path.is_file() and path.suffix == ".json":
         return load_manifest_file(path), str(path)
-    root, _, _ = _fetch(args, repo, tree, against, expected_from="pin")
+    root, _, _ = _fetch(args, repo, tree, against, expected_from="pin", new=False)
     return inventory_of_tree(root), against
 
 
@@ -186,21 +195,24 @@ def _emit(result: AuditResult, path: Optional[Path], command: str) -> None:
 
 
 def cmd_audit(args, repo: Path) -> int:
-    if args.tree == "all" and (args.tree_root or args.report not in (None, "-")):
-        raise UsageError("--tree-root / --report need a single --tree")
+    if args.tree == "all" and (args.tree_root or args.wheel or args.report not in (None, "-")):
+        raise UsageError("--tree-root / --wheel / --report need a single --tree")
     if args.report is None:
         args.report = "-"  # an audit only shows; a file only with --report PATH
-    if args.tree_root and args.version:
-        raise UsageError("--tree-root and --version both name the new drop: pass one")
+    if sum(map(bool, (args.tree_root, args.version or args.wheel))) > 1:
+        raise UsageError("--tree-root and --version / --wheel all name the new drop: pass one")
+    args.sha256 = _check_sha(args.sha256)
+    if args.wheel:
+        _take_handover(args, args.sha256, "--sha256")
     code = EXIT_OK
     for tree in _trees(args.tree):
         location = None
         if args.version:
-            # A bump preview: the new drop from pip, nothing in the repo rewritten.
+            # A bump preview: the new drop from pip (or handed over), nothing in the repo rewritten.
             root, _, loc = _fetch(args, repo, tree, args.version, args.sha256, "--sha256")
-            how, new_label, location = f"pip cache ({args.version})", args.version, loc.as_dict()
+            how, new_label, location = f"wheel cache ({args.version})", args.version, loc.as_dict()
         else:
-            root, how = pinned_tree_root(repo, tree, _cache_dir(args, repo), args.tree_root)
+            root, how = pinned_tree_root(repo, tree, _cache_dir(args), args.tree_root, args.strip_prefix)
             new_label = str(root) if args.tree_root else _pin_label(repo, tree)
         real = real_tree_dir(root)
         _log(f"{tree.arch}: new drop from {how}: {real}")
@@ -237,21 +249,33 @@ def _check_sha(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def _next_steps(tree: TreeFacts, version: str, sha: str, result: AuditResult, report: Optional[Path], repo: Path) -> str:
+def _command(sub: str, args, tree: TreeFacts, sha: Optional[str], *extra: str) -> str:
+    """`bazel run //tools:drop -- <sub> ...` naming the new drop with this run's options, so that a suggested
+    command finds the same wheel, tree and checkout (a handed-over wheel is in the wheel cache by now: its
+    version names it)."""
+    common = [f"--{o.replace('_', '-')} {getattr(args, o)}" for o in ("repo", "cache_dir") if getattr(args, o, None)]
+    own = [f"--tree {tree.arch}", f"--version {args.version}"] + ([f"--sha256 {sha}"] if sha else [])
+    if getattr(args, "strip_prefix", None):
+        own.append(f"--strip-prefix {args.strip_prefix}")
+    return " ".join(["bazel run //tools:drop --", *common, sub, *own, *extra])
+
+
+def _next_steps(args, tree: TreeFacts, sha: str, result: AuditResult, report: Optional[Path], repo: Path) -> str:
     where = f" (report: {report.relative_to(repo) if report and report.is_relative_to(repo) else report})" if report else ""
     return (
         f"\nbump refused: {result.verdict()}{where}.\n"
         "Nothing but the report was written: the pin, the manifest, the contract and the docs are as they were.\n"
         "To go on:\n"
         f"  1. fix shim/ (the report names each shim line and the backends it breaks); check with\n"
-        f"     bazel run //tools:drop -- audit --tree {tree.arch} --version {version} --sha256 {sha}\n"
-        f"  2. accept: bazel run //tools:drop -- bump --tree {tree.arch} --version {version} --sha256 {sha} --accept-contract\n"
+        f"     {_command('audit', args, tree, sha)}\n"
+        f"  2. accept: {_command('bump', args, tree, sha, '--accept-contract')}\n"
     )
 
 
 def cmd_bump(args, repo: Path) -> int:
     tree = TREES[args.tree]
     announced = _check_sha(args.sha256)
+    _take_handover(args, announced, "--sha256 (announced)")
     bzl = workspace_bzl(repo)
     if not bzl.is_file():
         raise UsageError(f"{bzl} not found")
@@ -267,7 +291,7 @@ def cmd_bump(args, repo: Path) -> int:
     _log(f"{tree.arch}: {tree.arch} tree of flashinfer-python {args.version} (sha256 {new_sha}) at "
          f"{location.strip_prefix} ({location.how}{', MOVED from ' + location.expected.rstrip('/') if location.moved else ''})")
     if announced is None:
-        _log(f"  no --sha256 given: pinning what pip served; compare {new_sha} with the announced hash")
+        _log(f"  no --sha256 given: pinning the wheel as found; compare {new_sha} with the announced hash")
     new_inv = inventory_of_tree(new_root)
     strays = [rel for rel in new_inv if is_compiled(rel)]
     if strays:
@@ -278,7 +302,7 @@ def cmd_bump(args, repo: Path) -> int:
     if manifest.is_file():
         old_inv = load_manifest_file(manifest)
     else:
-        old_root, _, _ = _fetch(args, repo, tree, old_version, old_sha)
+        old_root, _, _ = _fetch(args, repo, tree, old_version, old_sha, new=False)
         old_inv = inventory_of_tree(old_root)
 
     # 3. Audit against the accepted contract (with call sites, so a fixed shim passes).
@@ -287,12 +311,11 @@ def cmd_bump(args, repo: Path) -> int:
     loc = location.as_dict()
     result = run_audit(repo, tree, new_root, old_inv, new_inv, old_version, args.version, contract, loc)
     report = _report_path(repo, tree, old_version, args.version, args.report)
-    command = f"bazel run //tools:drop -- bump --tree {tree.arch} --version {args.version}" + (
-        f" --sha256 {announced}" if announced else "") + (" --accept-contract" if args.accept_contract else "")
+    command = _command("bump", args, tree, announced, *(["--accept-contract"] if args.accept_contract else []))
 
     if result.breaks:
         _emit(result, report, command)
-        _log(_next_steps(tree, args.version, new_sha, result, report, repo))
+        _log(_next_steps(args, tree, new_sha, result, report, repo))
         return result.exit_code()
 
     # 4. Compatible: plan every write, then commit them together.
@@ -328,6 +351,7 @@ def cmd_manifest(args, repo: Path) -> int:
     """The manifest of a drop, from the wheel pip serves (hash-checked), in the committed format."""
     tree = TREES[args.tree]
     sha = _check_sha(args.sha256)
+    _take_handover(args, sha, "--sha256")
     root, digest, location = _fetch(args, repo, tree, args.version, sha, "--sha256")
     data = manifest_mod.compute_manifest(root, args.version, digest)
     strays = [rel for rel in data["files"] if is_compiled(rel)]
@@ -356,7 +380,7 @@ def cmd_docs(args, repo: Path) -> int:
         raise UsageError("--tree-root needs a single --tree")
     stale = []
     for tree in _trees(args.tree):
-        text = render_docs_for(repo, tree, _cache_dir(args, repo), args.tree_root)
+        text = render_docs_for(repo, tree, _cache_dir(args), args.tree_root)
         path = docs_mod.docs_path(repo, tree)
         if args.check:
             if not path.is_file() or path.read_text(encoding="utf-8") != text:
@@ -378,14 +402,18 @@ def cmd_layering(args, repo: Path) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/drop", description=__doc__.split("\n\n")[0])
     p.add_argument("--repo", help="checkout to read and rewrite (default: $BUILD_WORKSPACE_DIRECTORY or the enclosing checkout)")
-    p.add_argument("--cache-dir", help="wheel + extracted-tree cache (default: $MOE_EP_DROP_CACHE or <repo>/.drop)")
+    p.add_argument("--cache-dir", help="wheel + extracted-tree cache (default: $MOE_EP_DROP_CACHE, else "
+                                       "$XDG_CACHE_HOME/megamoe-ep/drop, else ~/.cache/megamoe-ep/drop)")
     sub = p.add_subparsers(dest="command", required=True)
     prefix_help = ("the tree's path inside the wheel, when finding it by content is ambiguous "
                    "(default: the pinned STRIP_PREFIX, or wherever the tree's files are)")
+    wheel_help = ("a wheel the kernel team handed over (a file, or a directory holding one): hash-checked against "
+                  "--sha256, put into the wheel cache, its version read from its name; pip is not asked")
 
     b = sub.add_parser("bump", help="fetch a new drop, audit it; re-pin it (pin, manifest, docs, report) only if the shim fits")
     b.add_argument("--tree", required=True, choices=sorted(TREES))
-    b.add_argument("--version", required=True)
+    b.add_argument("--version", help="the flashinfer-python version (fetched with pip unless --wheel)")
+    b.add_argument("--wheel", help=wheel_help)
     b.add_argument("--sha256", help="the wheel's sha256 as the kernel team announced it: any other file is refused")
     b.add_argument("--accept-contract", action="store_true",
                    help="after reading the audit and fixing shim/: record the new signatures as the contract")
@@ -397,17 +425,20 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tree", default="all", choices=sorted(TREES) + ["all"])
     a.add_argument("--against", help="older drop: a version (fetched via pip), a tree directory or a manifest .json "
                                      "(default: the committed manifest)")
-    a.add_argument("--tree-root", help="audit this extracted tree instead of the pinned one")
+    a.add_argument("--tree-root", help="audit this tree instead of the pinned one: its src/ root, or a directory "
+                                       "holding it (an unpacked wheel: the tree is found by content)")
     a.add_argument("--version", help="audit this flashinfer-python version (fetched via pip) instead of the pinned "
                                      "one: a bump preview that rewrites nothing")
-    a.add_argument("--sha256", help="with --version: refuse a wheel with any other hash")
+    a.add_argument("--wheel", help=wheel_help)
+    a.add_argument("--sha256", help="with --version / --wheel: refuse a wheel with any other hash")
     a.add_argument("--strip-prefix", help=prefix_help)
     a.add_argument("--report", help="markdown report path ('-' for none)")
     a.set_defaults(func=cmd_audit)
 
     m = sub.add_parser("manifest", help="write the per-file manifest of a drop's tree, from the hash-checked wheel")
     m.add_argument("--tree", required=True, choices=sorted(TREES))
-    m.add_argument("--version", required=True)
+    m.add_argument("--version", help="the flashinfer-python version (fetched with pip unless --wheel)")
+    m.add_argument("--wheel", help=wheel_help)
     m.add_argument("--sha256", required=True, help="the wheel's sha256 (the pin): any other file is refused")
     m.add_argument("--out", required=True, help="where to write it (e.g. third_party/cutedsl_megamoe/sm90.manifest.json)")
     m.add_argument("--strip-prefix", help=prefix_help)
@@ -431,8 +462,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0) and EXIT_USAGE
     repo = Path(args.repo).resolve() if args.repo else find_repo_root()
-    if getattr(args, "sha256", None) and args.command == "audit" and not args.version:
-        print("tools/drop: error: --sha256 goes with --version", file=sys.stderr)
+    if getattr(args, "sha256", None) and args.command == "audit" and not (args.version or args.wheel):
+        print("tools/drop: error: --sha256 goes with --version or --wheel", file=sys.stderr)
         return EXIT_USAGE
     try:
         return args.func(args, repo)

@@ -18,7 +18,8 @@ import pytest
 
 from tools.drop import contract as contract_mod
 from tools.drop.audit import run_audit
-from tools.drop.cli import default_cache_dir, pinned_tree_root, real_tree_dir
+from tools.drop.cli import pinned_tree_root, real_tree_dir
+from tools.drop.fetch import default_cache_dir
 from tools.drop.inventory import inventory_of_tree, load_manifest_file
 from tools.drop.manifests import manifest_path
 from tools.drop.pins import read_pins_file
@@ -36,7 +37,7 @@ def _trees():
 def test_pinned_drop_audits_clean(tree_name):
     repo = find_repo_root(Path(__file__).resolve().parent)  # the live checkout (see BUILD)
     tree = TREES[tree_name]
-    root, _ = pinned_tree_root(repo, tree, default_cache_dir(repo))
+    root, _ = pinned_tree_root(repo, tree, default_cache_dir())
     version = read_pins_file(repo, tree)[0]
     manifest = manifest_path(repo, tree)
     assert manifest.is_file(), f"{manifest.relative_to(repo)} is missing"

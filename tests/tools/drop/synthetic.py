@@ -420,3 +420,20 @@ def snapshot(root: Path) -> Dict[str, bytes]:
     """Every file under root (what a failed or breaking bump must leave as it was)."""
     root = Path(root)
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---- drops derived from a drop (deterministic: the same input gives the same bytes) --------------------
+
+
+def older(files: Dict[str, str]) -> Dict[str, str]:
+    """The same tree one version earlier: every file at its path, none byte-identical."""
+    return {rel: text + "# an earlier revision\n" for rel, text in files.items()}
+
+
+def sibling_fork(files: Dict[str, str], drop_package: str = "moe_hopper_bf16") -> Dict[str, str]:
+    """A tree forked from `files` for another GPU, as a wheel carries next to it (0.7.0.post1's sm120 tree beside
+    sm100): most files byte-identical, one package gone, a package of its own."""
+    out = {rel: text for rel, text in files.items() if not rel.startswith(drop_package + "/")}
+    out.update({"moe_fork_swapab/__init__.py": ""})
+    out.update({f"moe_fork_swapab/kernel_{i}.py": f"K = {i}\n" for i in range(4)})
+    return out
