@@ -339,7 +339,8 @@ def run_audit(
             params = {p.name for p in old_params} | {p.name for p in sig.params}
             sites = impact.arg_sites(name, entry["module"], method, params, users)
             changes = contract_mod.diff_params(old_params, sig.params, positional_callers=(method == "__call__"))
-            judged = [_judge_change(c, name, method, sites, impact, users) for c in changes]
+            old_positional = [p.name for p in old_params if p.kind in ("positional_only", "positional_or_keyword")]
+            judged = [_judge_change(c, name, method, sites, impact, users, old_positional) for c in changes]
             signatures[name][method] = [c for c, _ in judged]
             for c, finding in judged:
                 findings.append(finding)
@@ -436,8 +437,14 @@ def _lines_passing(sites: List[ArgSite], name: str, stores: List[ArgSite]) -> Li
     return [a for a in sites if name in a.names] + stores
 
 
+def _positional_over(sites: List[ArgSite], names: List[str], old_positional: List[str]) -> List[ArgSite]:
+    """The call sites whose positional arguments reach one of `names` (by its place in the old signature)."""
+    first = min((old_positional.index(n) for n in names if n in old_positional), default=len(old_positional))
+    return [a for a in sites if a.positional > first]
+
+
 def _judge_change(c: contract_mod.ParamChange, cls: str, method: str, sites: List[ArgSite], impact: _Impact,
-                  users: frozenset) -> Tuple[contract_mod.ParamChange, Finding]:
+                  users: frozenset, old_positional: List[str] = ()) -> Tuple[contract_mod.ParamChange, Finding]:
     """The contract diff's change, judged by what the shim actually passes."""
     subject = f"{cls}.{method}({c.param})"
     name = c.param
@@ -464,10 +471,13 @@ def _judge_change(c: contract_mod.ParamChange, cls: str, method: str, sites: Lis
             passing = sites
             detail += "; no shim line passes it"
     elif c.change == "moved" and c.status == "break":
-        passing = sites
+        passing = _positional_over(sites, c.param.split(","), old_positional)
         if not sites:
             status = "warn"
             detail += "; the shim never calls it"
+        elif not passing:
+            status = "note"
+            detail += "; every shim call site passes them by keyword"
     else:
         for n in name.split(","):
             passing += _lines_passing(sites, n, impact.stores(n, users))

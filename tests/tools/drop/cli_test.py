@@ -243,6 +243,30 @@ def test_accept_only_once_the_shim_fits(bump_world, capsys):
     assert run(repo, cache, "docs", "--tree", "sm90", "--check") == 0
 
 
+def test_a_new_launch_parameter_is_accepted_once_the_shim_passes_it(bump_world, capsys):
+    # Upstream's fc1_c: a required __call__ parameter inserted mid-signature shifts every later one. The shim
+    # passes launch arguments by keyword, so the shift is harmless; the missing argument is not, until the shim
+    # passes it, and then the documented fix-then-accept steps finish.
+    repo, cache = bump_world
+    inserted = "activation, activation_sf, fc1_c, topk_idx"
+    w2 = wheel(cache, "2.0", drop_files(lambda f: f.update({KERNEL: f[KERNEL].replace(
+        "activation, activation_sf, topk_idx", inserted)})))
+    sha = sha256_file(w2)
+    capsys.readouterr()
+    assert bump(repo, cache, "2.0", "--sha256", sha) == 3
+    report = (repo / "docs" / "drop" / "audit-sm90-1.0-to-2.0.md").read_text()
+    assert "new required parameter fc1_c; no shim line passes it" in report
+    assert "positional index shifted: topk_idx" in report and "every shim call site passes them by keyword" in report
+    assert bump(repo, cache, "2.0", "--sha256", sha, "--accept-contract") == 3  # not before the shim is fixed
+    synthetic.edit(repo, "shim/sm90/fp8_frontend.py", "return dict(activation=x, activation_sf=self.scales)",
+                   "return dict(activation=x, activation_sf=self.scales, fc1_c=self.fc1_c)")
+    assert bump(repo, cache, "2.0", "--sha256", sha, "--accept-contract") == 0
+    accepted = json.loads((repo / "tools" / "drop" / "contracts" / "sm90.json").read_text())
+    call = [p["name"] for p in accepted["classes"]["Sm90MegaMoEFp8Kernel"]["methods"]["__call__"]["params"]]
+    assert call[:3] == ["activation", "activation_sf", "fc1_c"]
+    assert run(repo, cache, "audit", "--tree", "sm90") == 0
+
+
 def test_compatible_bump_rewrites_pin_manifest_docs_and_report_together(bump_world):
     repo, cache = bump_world
     w2 = wheel(cache, "2.0", drop_files(lambda f: f.update({"moe_hopper_fp8/extra.py": "X = 1\n"})))
