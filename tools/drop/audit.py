@@ -8,8 +8,15 @@ Sections, each row carrying a status:
   signatures  __init__ / __call__ of the contracted kernel classes vs the contract, each
               change judged by the shim lines that pass the parameter
   calls       the shim's argument sites vs the new drop's signatures (names it does not take,
-              required parameters nobody passes): a cross-check of the contract
+              required parameters nobody passes): a cross-check of the contract; and every shim
+              call of a drop function bound against its signature (tools/drop/drop_uses.py)
+  reads       attributes the shim reads on drop objects (a heuristic's config fields) vs the
+              new drop's classes (tools/drop/drop_uses.py)
   knobs       the tuner's knob names and values vs what the new drop accepts
+  build       (tools/drop/build_stage.py, when run) the shim's knob resolution at every token
+              bucket and its kernel compiles, run against the new tree in a child process: the
+              ground truth the static sections predict; a static break of the imports,
+              signatures, calls or reads sections whose backends all build is a warning
 
 Statuses: break (the shim would fail against this drop), warn (binds, but may behave
 differently, or the contract is stale: a human must look), note (informational), unchecked
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from tools.drop import contract as contract_mod
+from tools.drop import drop_uses
 from tools.drop import knobs as knobs_mod
 from tools.drop.callsites import ArgSite, Backend, Pair, ShimModel
 from tools.drop.inventory import Inventory, PackageDiff, diff_inventories, is_compiled, package_renames
@@ -41,7 +49,7 @@ __all__ = ["AuditResult", "Finding", "KnobRow", "run_audit", "STATUS_ORDER", "EX
            "EXIT_USAGE", "EXIT_SOME_BREAK"]
 
 STATUS_ORDER = {"break": 0, "warn": 1, "note": 2, "unchecked": 3, "ok": 4}
-SECTION_ORDER = {"tree": 0, "files": 1, "imports": 2, "signatures": 3, "calls": 4, "knobs": 5}
+SECTION_ORDER = {"tree": 0, "files": 1, "imports": 2, "signatures": 3, "calls": 4, "reads": 5, "knobs": 6, "build": 7}
 
 # The exit codes of `tools/drop audit` / `bump` (also in cli.py's docstring and the README).
 EXIT_OK = 0  # compatible: no break
@@ -355,6 +363,13 @@ def run_audit(
             findings.append(
                 Finding("signatures", "warn", name, "built by the shim but not in the contract: review, then bump --accept-contract")
             )
+
+    # -- calls into drop functions, reads of drop objects -------------------
+    for section, problems in (("calls", drop_uses.call_problems(model, index)),
+                              ("reads", drop_uses.attribute_problems(model, index))):
+        for p in problems:
+            findings.append(Finding(section, "break", p.subject, p.detail, (p.site.where,),
+                                    tuple(sorted(model.hits(p.site)))))
 
     # -- knobs -----------------------------------------------------------
     knob_file, space = knob_space(repo_root, tree.arch)

@@ -55,7 +55,7 @@ BASE_DROP: Dict[str, str] = {
         }
 
 
-        def select_heuristic_config(tokens):
+        def select_heuristic_config(tokens) -> TileConfig:
             return TABLE[8 if tokens <= 8 else 4096]
         """
     ),
@@ -219,7 +219,8 @@ KNOBS = textwrap.dedent(
 
         if fmt == "bf16":
             return ks.select_bf16_config(tokens)
-        return ks.select_heuristic_config(tokens)
+        config = ks.select_heuristic_config(tokens)
+        return config.mma_tiler_mnk, config.cluster_shape_mnk
     """
 )
 
