@@ -92,6 +92,7 @@ class AuditResult:
     knob_file: Optional[str]
     backends: List[Backend] = dataclasses.field(default_factory=list)
     location: Optional[dict] = None  # {"prefix", "expected", "moved"} when the tree came from a wheel
+    build: Optional[object] = None  # tools/drop/build_stage.BuildReport once the build stage has run
 
     def count(self, status: str) -> int:
         return sum(1 for f in self.findings if f.status == status)

@@ -33,6 +33,7 @@ from typing import List, Optional, Tuple
 
 from shim.common.tree_facts import KERNEL_NAMES, TREES, TreeFacts
 from third_party.cutedsl_megamoe import manifest as manifest_mod
+from tools.drop import build_stage
 from tools.drop import contract as contract_mod
 from tools.drop import docs as docs_mod
 from tools.drop import layering as layering_mod
@@ -220,10 +221,36 @@ def cmd_audit(args, repo: Path) -> int:
         old_inv, old_label = _old_inventory(args, repo, tree, args.against, new_inv)
         contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.arch))
         result = run_audit(repo, tree, root, old_inv, new_inv, old_label, new_label, contract, location)
+        sha = args.sha256 if args.version else _pinned_sha_if_same(repo, tree, new_inv)
+        _build(args, repo, tree, root, result, sha)
         _emit(result, _report_path(repo, tree, old_label, new_label, args.report), _command_line())
         _tables(repo, tree, args.sha256 if args.version else None, new_label)
         code = _combine(code, result.exit_code())
     return code
+
+
+def _pinned_sha_if_same(repo: Path, tree: TreeFacts, inventory: Inventory) -> Optional[str]:
+    """The pinned wheel's sha256 when the tree is byte for byte the committed manifest's (its table rows are in
+    use), else None."""
+    path = manifest_path(repo, tree)
+    if not path.is_file():
+        return None
+    pinned = load_manifest_file(path)
+    if {r: e.sha256 for r, e in pinned.items()} != {r: e.sha256 for r, e in inventory.items()}:
+        return None
+    return manifest_mod.load_manifest(path).get("carrier_sha256")
+
+
+def _build(args, repo: Path, tree: TreeFacts, root: Path, result: AuditResult, sha: Optional[str]) -> None:
+    """The build stage (tools/drop/build_stage.py) unless --static-only: knob resolution at every token bucket, and
+    compiles unless --no-compile; its findings join the result."""
+    if args.static_only or not result.backends:
+        return
+    jobs = build_stage.plan_jobs(repo, tree.arch, result.all_pairs(), compile=not args.no_compile,
+                                 compile_capacities=args.compile_capacities, drop_sha256=sha,
+                                 compile_tables=args.compile_tables)
+    report = build_stage.run_build(repo, tree, root, jobs, compile_jobs=args.compile_jobs, log=_log)
+    build_stage.apply_build(result, report)
 
 
 def _tables(repo: Path, tree: TreeFacts, sha: Optional[str], label: str) -> None:
@@ -310,6 +337,7 @@ def cmd_bump(args, repo: Path) -> int:
     contract = contract_mod.load_contract(cpath)
     loc = location.as_dict()
     result = run_audit(repo, tree, new_root, old_inv, new_inv, old_version, args.version, contract, loc)
+    _build(args, repo, tree, new_root, result, new_sha)
     report = _report_path(repo, tree, old_version, args.version, args.report)
     command = _command("bump", args, tree, announced, *(["--accept-contract"] if args.accept_contract else []))
 
@@ -328,6 +356,8 @@ def cmd_bump(args, repo: Path) -> int:
         contract = contract_mod.build_contract(index, lazy, tree.arch, args.version)
         tx.write(cpath, contract_mod.dumps(contract))
         accepted = run_audit(repo, tree, new_root, old_inv, new_inv, old_version, args.version, contract, loc)
+        if result.build is not None:
+            build_stage.apply_build(accepted, result.build)
         _log("after accepting the contract: " + accepted.verdict())
     elif any(f.section == "signatures" and f.status != "ok" for f in result.findings):
         _log("signatures differ from the contract: review the report, then re-run bump with --accept-contract")
@@ -399,6 +429,31 @@ def cmd_layering(args, repo: Path) -> int:
     return layering_mod.main(repo)
 
 
+def _capacities(text: str) -> Tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def _build_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("build stage", "the shim resolves knobs and compiles kernels against the new tree, on "
+                                            "the CPU, in child processes (tools/drop/build_stage.py)")
+    g.add_argument("--no-compile", action="store_true",
+                   help="resolve knobs at every token bucket (seconds) but compile nothing")
+    g.add_argument("--static-only", action="store_true", help="no build stage at all: the source checks alone")
+    g.add_argument("--compile-jobs", type=int, default=1, metavar="N",
+                   help="compile in N child processes at once (default 1; each compile takes a core for 7-14 s)")
+    g.add_argument("--compile-tables", action="store_true",
+                   help="also compile each distinct shipped knob-table row measured on this drop (sm90: a dozen)")
+    g.add_argument("--compile-capacities", type=_capacities, default=build_stage.COMPILE_CAPACITIES,
+                   metavar="C,C,...", help="capacities whose heuristic knobs are compiled per backend and format "
+                                           f"(default {','.join(map(str, build_stage.COMPILE_CAPACITIES))})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tools/drop", description=__doc__.split("\n\n")[0])
     p.add_argument("--repo", help="checkout to read and rewrite (default: $BUILD_WORKSPACE_DIRECTORY or the enclosing checkout)")
@@ -419,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after reading the audit and fixing shim/: record the new signatures as the contract")
     b.add_argument("--report", help="markdown report path ('-' for none)")
     b.add_argument("--strip-prefix", help=prefix_help)
+    _build_options(b)
     b.set_defaults(func=cmd_bump)
 
     a = sub.add_parser("audit", help="audit the pinned drop (or --tree-root / --version) against an older drop and the shim")
@@ -433,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--sha256", help="with --version / --wheel: refuse a wheel with any other hash")
     a.add_argument("--strip-prefix", help=prefix_help)
     a.add_argument("--report", help="markdown report path ('-' for none)")
+    _build_options(a)
     a.set_defaults(func=cmd_audit)
 
     m = sub.add_parser("manifest", help="write the per-file manifest of a drop's tree, from the hash-checked wheel")

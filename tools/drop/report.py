@@ -70,6 +70,24 @@ def _backend_rows(result: AuditResult) -> List[List[str]]:
     return rows
 
 
+_BUILD_HEADERS = ("backend", "format", "static", "resolve", "compile", "verdict")
+
+
+def _build_rows(result: AuditResult) -> List[List[str]]:
+    """One row per (backend, format) once the build stage ran: what the sources say, what resolving the knobs at
+    every token bucket and compiling did, and the verdict of both."""
+    report = result.build
+    rows = []
+    for pair in result.all_pairs():
+        static = [f for f in result.findings if f.section != "build" and pair in f.pairs and f.status in ("break", "warn")]
+        n_break = sum(1 for f in static if f.status == "break")
+        n_warn = sum(1 for f in static if f.status == "warn")
+        cell = f"BREAK {n_break}" if n_break else (f"warn {n_warn}" if n_warn else "ok")
+        resolve, compile_ = report.summary(pair) if pair in report.pairs else ("-", "-")
+        rows.append([pair[0], pair[1], cell, resolve, compile_, "BREAK" if pair in result.broken_pairs() else "ok"])
+    return rows
+
+
 def _lines(sites: Sequence[str], limit: int = 3) -> str:
     shown = list(sites[:limit])
     return ", ".join(shown) + (f" +{len(sites) - limit}" if len(sites) > limit else "")
@@ -100,7 +118,17 @@ def render_summary(result: AuditResult, markdown: bool = False) -> str:
         out.append(tree_line)
     out.append("")
     backend_rows = _backend_rows(result)
-    if backend_rows:
+    if backend_rows and result.build is not None:
+        out += [table(_BUILD_HEADERS, _build_rows(result)), ""]
+        jobs = result.build.outcomes
+        line = (f"build stage: {sum(not o.job.compile for o in jobs)} knob resolutions, "
+                f"{sum(o.job.compile for o in jobs)} compiles")
+        seconds = result.build.compile_seconds()
+        if not markdown and seconds:  # the report stays the same from run to run
+            line += (f" in {result.build.wall_s:.0f} s on {result.build.compile_jobs} child process(es); compiles "
+                     f"{min(seconds):.1f}-{max(seconds):.1f} s each")
+        out += [line, ""]
+    elif backend_rows:
         out += [table(("backend", "formats", "verdict", "breaks"), backend_rows), ""]
     else:
         out += ["(no backend of this tree in the registry)", ""]
