@@ -70,7 +70,7 @@ _PIN_DIRS: Optional[List[str]] = None
 
 _active: Optional[Tuple[str, str]] = None  # (arch, root)
 _provenance: Dict[str, dict] = {}
-_hashed: Dict[str, Tuple[Dict[str, str], float]] = {}  # abspath(root) -> (digests, ms): hashed once per process
+_hashed: Dict[str, Tuple[_integrity.TreeScan, float]] = {}  # abspath(root) -> (scan, ms): hashed once per process
 _guard: Optional["_KernelImportGuard"] = None
 
 
@@ -169,6 +169,7 @@ class _Check:
     diff: _integrity.TreeDiff = field(default_factory=_integrity.TreeDiff)
     files: int = 0
     ms: float = 0.0
+    scan: Optional[_integrity.TreeScan] = None
 
 
 def _pin_dirs() -> List[str]:
@@ -208,25 +209,57 @@ def _bazel_pin(arch: str, root: str) -> Optional[_Pin]:
     return committed[0] if committed else None
 
 
-def _digests(root: str) -> Tuple[Dict[str, str], float]:
-    """{relative path: sha256} of every file under root, hashed once per process; and the ms it took."""
+def _scan(root: str) -> Tuple[_integrity.TreeScan, float]:
+    """Every file under root hashed (and byte code, native code and directories listed), once per process; and
+    the ms it took."""
     if root not in _hashed:
         t0 = time.perf_counter()
-        digests = _integrity.tree_digests(root)
-        _hashed[root] = (digests, (time.perf_counter() - t0) * 1e3)
+        scan = _integrity.scan_tree(root)
+        _hashed[root] = (scan, (time.perf_counter() - t0) * 1e3)
     return _hashed[root]
 
 
 def _verify(root: str, pins: List[_Pin]) -> _Check:
-    """Compares the tree at root with each pin in turn: ok on the first that matches exactly."""
-    digests, ms = _digests(root)
+    """Compares the tree at root with each pin in turn: ok on the first that matches exactly (its files, and no
+    directory the pin's files do not sit in: Python would import one as a namespace package)."""
+    scan, ms = _scan(root)
     first = None
     for pin in pins:
-        diff = _integrity.diff_files(pin.files, digests)
+        diff = _integrity.diff_files(pin.files, scan.digests)
+        listed = _integrity.listed_dirs(pin.files)
+        diff.added = sorted(diff.added + [d + "/" for d in scan.dirs if d not in listed])
         if not diff:
-            return _Check(root, pin, True, diff, len(digests), ms)
-        first = first or _Check(root, pin, False, diff, len(digests), ms)
-    return first or _Check(root, None, False, _integrity.TreeDiff(), len(digests), ms)
+            return _Check(root, pin, True, diff, len(scan.digests), ms, scan)
+        first = first or _Check(root, pin, False, diff, len(scan.digests), ms, scan)
+    return first or _Check(root, None, False, _integrity.TreeDiff(), len(scan.digests), ms, scan)
+
+
+def _foreign_code(spec: TreeFacts, check: _Check, bazel: bool) -> Optional[TreeIntegrityError]:
+    """Byte code without source, and native code the pin does not list: refused whatever the tree's pin status (an
+    unpinned tree opts in to edited sources, not to code nobody can read), and named before any other difference:
+    a drop ships Python sources only."""
+    listed = check.pin.files if check.pin else {}
+    scan = check.scan
+    found = [(rel, "byte code without its source: Python imports it as a module") for rel in scan.sourceless]
+    found += [(rel, "a shared object: Python imports it before a .py of the same name")
+              for rel in scan.native if rel not in listed]
+    if not found:
+        return None
+    named = "; ".join(f"{_where(check.root, rel)} ({why})" for rel, why in found[:4])
+    more = f" (+{len(found) - 4} more)" if len(found) > 4 else ""
+    fix = (f"re-fetch it (`bazel sync --only={spec.repo_name}`)" if bazel else
+           f"delete them, or re-extract {spec.wheel_prefix} from the wheel")
+    return TreeIntegrityError(
+        "tree" if bazel else spec.env_var,
+        f"the {spec.arch} kernel tree at {check.root} holds importable file(s) no manifest lists: {named}{more}. "
+        f"A drop ships Python sources only, and these would run in their place: {fix}.",
+    )
+
+
+def _refuse_foreign_code(spec: TreeFacts, choice: "_Choice") -> None:
+    error = _foreign_code(spec, choice.check, choice.source == "bazel")
+    if error is not None:
+        raise error
 
 
 def _pin_text(pin: Optional[_Pin]) -> str:
@@ -252,6 +285,9 @@ def _no_pin_error(spec: TreeFacts, argument: str) -> TreeIntegrityError:
 
 
 def _bazel_integrity_error(spec: TreeFacts, check: _Check) -> TreeIntegrityError:
+    foreign = _foreign_code(spec, check, True)
+    if foreign is not None:
+        return foreign
     first = (check.diff.changed + check.diff.added + check.diff.removed)[:1]
     where = f" (first: {_where(check.root, first[0])})" if first else ""
     return TreeIntegrityError(
@@ -265,6 +301,9 @@ def _bazel_integrity_error(spec: TreeFacts, check: _Check) -> TreeIntegrityError
 
 
 def _env_integrity_error(spec: TreeFacts, check: _Check, bazel_root: Optional[str]) -> TreeIntegrityError:
+    foreign = _foreign_code(spec, check, False)
+    if foreign is not None:
+        return foreign
     version = check.pin.version if check.pin else "the pinned version"
     under_bazel = (
         f" Under Bazel the variable is not needed (the pinned tree is in the runfiles: {bazel_root}); unset it "
@@ -349,7 +388,10 @@ def locate(arch: str) -> str:
         raise TreeNotFoundError("arch", f"arch must be one of {sorted(TREES)}, got {arch!r}")
     if _active is not None and _active[0] == arch:
         return _active[1]
-    return _choose(TREES[arch]).root
+    spec = TREES[arch]
+    choice = _choose(spec)
+    _refuse_foreign_code(spec, choice)
+    return choice.root
 
 
 # ------------------------------------------------------------------------------------------ the guards
@@ -376,13 +418,25 @@ def _foreign(module, root: str) -> Optional[str]:
     return f"from {bad[0]}" if bad else None
 
 
+def _copy_of_a_drop_package(name: str) -> bool:
+    """`name` is a drop package (or inside one) imported under a longer name, e.g. FlashInfer's
+    flashinfer.moe_ep.kernel_src.sm90....src.moe_hopper_fp8: a second copy of kernel code."""
+    return "moe_" in name and any(part in _DROP_PACKAGES for part in name.split(".")[1:])
+
+
 def _loaded_elsewhere(root: str) -> List[str]:
-    """Kernel modules (any name under a kernel top-level name) already imported from outside `root`."""
+    """Kernel modules already imported from outside `root`: any name under a kernel top-level name, and any drop
+    package imported under another name."""
     bad = []
     for name, mod in list(sys.modules.items()):
-        if mod is None or name.partition(".")[0] not in KERNEL_NAMES:
+        if mod is None:
             continue
-        why = _foreign(mod, root)
+        if name.partition(".")[0] in KERNEL_NAMES:
+            why = _foreign(mod, root)
+        elif _copy_of_a_drop_package(name):
+            why = _foreign(mod, root) or "a drop package under another name"
+        else:
+            continue
         if why:
             bad.append(f"{name} ({why})")
     return sorted(bad)
@@ -411,7 +465,14 @@ class _KernelImportGuard(importlib.abc.MetaPathFinder):
     inside the verified root. Other names are left to the rest of the import system."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if _active is None or fullname.partition(".")[0] not in KERNEL_NAMES:
+        if _active is None:
+            return None
+        if fullname.partition(".")[0] not in KERNEL_NAMES:
+            if _copy_of_a_drop_package(fullname):
+                raise TreeConflictError(
+                    "tree", f"import of {fullname}: a drop package under another name, i.e. a second copy of the "
+                            f"kernels next to the verified {_active[0]} tree {_active[1]} (FlashInfer's own kernel_src "
+                            "trees are one): one process loads kernel code from one root; run it in another process")
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None:
@@ -480,6 +541,7 @@ def activate(arch: str) -> str:
 
     spec = TREES[arch]
     choice = _choose(spec)
+    _refuse_foreign_code(spec, choice)
     root = choice.root
     clash = _loaded_elsewhere(root)
     if clash:
@@ -500,17 +562,30 @@ def activate(arch: str) -> str:
             "only, and one process holds one tree",
         )
 
-    # One root on sys.path: drop every other copy of a kernel tree (the other Bazel runfiles layout, the tree
-    # the choice set aside, any directory holding drop packages), keep entries inside the root.
+    # One root on sys.path. Other layouts of the same files (the other Bazel runfiles layout of this repository,
+    # a link to the root, the tree the choice set aside) are dropped from it; any other directory that provides a
+    # drop package is a second copy of the kernels, refused: whichever came first on sys.path would serve.
     set_aside = {_abs(p) for p in choice.set_aside}
-    keep = []
+    real_root = os.path.realpath(root)
+    keep, copies = [], []
     for entry in sys.path:
         if entry and not _under(entry, root):
             a = _abs(entry)
-            if (a in set_aside or os.path.basename(a) == spec.repo_name
-                    or any(os.path.isdir(os.path.join(a, n)) for n in _DROP_PACKAGES)):
+            if a in set_aside or os.path.basename(a) == spec.repo_name or os.path.realpath(a) == real_root:
                 continue
+            provided = [n for n in sorted(_DROP_PACKAGES) if os.path.isdir(os.path.join(a, n))
+                        or os.path.isfile(os.path.join(a, n + ".py"))]
+            if provided:
+                copies.append(f"{entry} (provides {', '.join(provided)})")
         keep.append(entry)
+    if copies:
+        raise TreeConflictError(
+            "tree",
+            f"a second copy of the kernel packages is on sys.path next to the verified {arch} tree {root}: "
+            f"{'; '.join(copies)}. Whichever comes first would serve, unchecked. Remove it from PYTHONPATH / "
+            "sys.path (an installed package of those names: uninstall it; FlashInfer's own moe_ep puts its "
+            "kernel_src trees there when imported: run it in another process).",
+        )
     if not any(e and _abs(e) == root for e in keep):
         keep.insert(0, root)
     sys.path[:] = keep
