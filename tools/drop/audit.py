@@ -430,6 +430,11 @@ def run_audit(
             if table is not None:
                 for v in sorted(table[0] - offered, key=repr):
                     table_only.append((cls_key, knob, repr(v)))
+                    findings.append(Finding(
+                        "knobs", "warn", f"{cls_key}.{knob}={v!r}",
+                        f"the drop's heuristic tables ({', '.join(table[1])}) use it and the knob space does not "
+                        "offer it: a capacity whose bucket picks it fails knob validation (the build stage resolves "
+                        "every bucket)", where(knob), tuple(sorted(users))))
 
     findings.sort(key=lambda f: (STATUS_ORDER[f.status], SECTION_ORDER[f.section], f.subject))
     return AuditResult(

@@ -15,12 +15,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
 from typing import Optional
 
 MARK = "@@drop-build@@ "
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _message(e: BaseException) -> str:
+    """'Type: message' on one line: terminal colours and the DSL's source excerpts (`-->`, `|` lines) left out."""
+    lines = [line.strip() for line in _ANSI.sub("", str(e)).splitlines()]
+    kept = [line for line in lines if line and not line.startswith(("-->", "|")) and not line[:1].isdigit()]
+    return f"{type(e).__name__}: {' '.join(kept)}".strip()[:1000]
 
 
 def _site(tb, under: str, strip: str) -> Optional[str]:
@@ -61,7 +70,7 @@ def run_job(job: dict, repo: str, tree_root: str) -> dict:
     except BaseException as e:  # noqa: BLE001 - every failure is the verdict of this job, reported, not raised
         if isinstance(e, KeyboardInterrupt):
             raise
-        out["error"] = f"{type(e).__name__}: {e}".strip()[:2000]
+        out["error"] = _message(e)
         out["shim_site"] = _site(e.__traceback__, os.path.join(repo, "shim"), repo)
         out["drop_site"] = _site(e.__traceback__, tree_root, tree_root)
     out["seconds"] = round(time.perf_counter() - t0, 3)

@@ -224,7 +224,7 @@ def cmd_audit(args, repo: Path) -> int:
         sha = args.sha256 if args.version else _pinned_sha_if_same(repo, tree, new_inv)
         _build(args, repo, tree, root, result, sha)
         _emit(result, _report_path(repo, tree, old_label, new_label, args.report), _command_line())
-        _tables(repo, tree, args.sha256 if args.version else None, new_label)
+        _tables(repo, tree, sha, new_label)
         code = _combine(code, result.exit_code())
     return code
 
@@ -254,10 +254,8 @@ def _build(args, repo: Path, tree: TreeFacts, root: Path, result: AuditResult, s
 
 
 def _tables(repo: Path, tree: TreeFacts, sha: Optional[str], label: str) -> None:
-    """Shipped knob tables measured on another drop than the audited one (they are no longer used)."""
-    if sha is None:
-        pins = read_pins_file(repo, tree)
-        sha = pins[1] if pins else None
+    """Shipped knob tables measured on another drop than the audited one (they are no longer used). `sha`: the
+    audited wheel's, None when it is not known (a tree handed over as a directory)."""
     if sha:
         print(render_stale(stale_entries(repo, tree.arch, sha), tree.arch, label), end="")
 
