@@ -114,6 +114,21 @@ class AuditResult:
     def unattributed_breaks(self) -> List[Finding]:
         return [f for f in self.findings if f.status == "break" and not f.pairs]
 
+    def grouped_breaks(self) -> List[Tuple[List[str], Finding]]:
+        """Breaks with the same cause, lines and backends as one (a subclass repeats its base's): what the verdict
+        counts, per backend and in all."""
+        groups: Dict[tuple, Tuple[List[str], Finding]] = {}
+        for f in self.findings:
+            if f.status != "break":
+                continue
+            tail = f.subject.split(".", 1)[1] if f.section == "signatures" and "." in f.subject else ""
+            key = (f.section, tail, f.detail, f.sites, f.pairs)
+            if key in groups:
+                groups[key][0].append(f.subject)
+            else:
+                groups[key] = ([f.subject], f)
+        return list(groups.values())
+
     def exit_code(self) -> int:
         if not self.breaks:
             return EXIT_OK
@@ -126,7 +141,10 @@ class AuditResult:
         unchecked = self.count("unchecked")
         tail = f" ({unchecked} unchecked: nothing in the drop's source decides them)" if unchecked else ""
         if self.breaks:
-            counts = f"{self.count('break')} break, {self.count('warn')} warn, {self.count('note')} note{tail}"
+            groups = self.grouped_breaks()
+            nobody = sum(1 for _, f in groups if not f.pairs)
+            unrun = f" ({nobody} of them in code no registered backend runs)" if nobody else ""
+            counts = (f"{len(groups)} break{unrun}, {self.count('warn')} warn, {self.count('note')} note{tail}")
             every = self.all_pairs()
             if not every:
                 return f"SHIM WOULD BREAK (no backend of this tree registered): {counts}"

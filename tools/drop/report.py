@@ -42,18 +42,7 @@ def _short(text: str, width: int) -> str:
 
 
 def _grouped_breaks(result: AuditResult) -> List[Tuple[List[str], Finding]]:
-    """Breaks with the same cause, lines and backends in one row (a subclass repeats its base's)."""
-    groups: Dict[tuple, Tuple[List[str], Finding]] = {}
-    for f in result.findings:
-        if f.status != "break":
-            continue
-        tail = f.subject.split(".", 1)[1] if f.section == "signatures" and "." in f.subject else ""
-        key = (f.section, tail, f.detail, f.sites, f.pairs)
-        if key in groups:
-            groups[key][0].append(f.subject)
-        else:
-            groups[key] = ([f.subject], f)
-    return list(groups.values())
+    return result.grouped_breaks()
 
 
 def _backend_rows(result: AuditResult) -> List[List[str]]:
@@ -78,10 +67,10 @@ def _build_rows(result: AuditResult) -> List[List[str]]:
     every token bucket and compiling did, and the verdict of both."""
     report = result.build
     rows = []
+    groups = [f for _, f in result.grouped_breaks() if f.section != "build"]
     for pair in result.all_pairs():
-        static = [f for f in result.findings if f.section != "build" and pair in f.pairs and f.status in ("break", "warn")]
-        n_break = sum(1 for f in static if f.status == "break")
-        n_warn = sum(1 for f in static if f.status == "warn")
+        n_break = sum(1 for f in groups if pair in f.pairs)
+        n_warn = sum(1 for f in result.findings if f.section != "build" and pair in f.pairs and f.status == "warn")
         cell = f"BREAK {n_break}" if n_break else (f"warn {n_warn}" if n_warn else "ok")
         resolve, compile_ = report.summary(pair) if pair in report.pairs else ("-", "-")
         rows.append([pair[0], pair[1], cell, resolve, compile_, "BREAK" if pair in result.broken_pairs() else "ok"])

@@ -404,17 +404,29 @@ def make_shim(repo: Path) -> Path:
 
 
 def make_wheel(path: Path, prefix: str, files: Dict[str, str], extra: Dict[str, str] = None) -> Path:
-    """A carrier-shaped wheel: the tree's files under `prefix`, plus unrelated files (`extra`)."""
+    """A carrier-shaped wheel: the tree's files (text or bytes) under `prefix`, plus unrelated files (`extra`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     prefix = prefix.rstrip("/") + "/"
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("flashinfer/__init__.py", "")
-        for rel, text in (extra or {}).items():
-            zf.writestr(rel, text)
-        for rel, text in files.items():
-            zf.writestr(prefix + rel, text)
+    entries = {"flashinfer/__init__.py": ""}
+    entries.update(extra or {})
+    entries.update({prefix + rel: text for rel, text in files.items()})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name in sorted(entries):  # fixed order and time stamps: the same files give the same sha256
+            data = entries[name]
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0)),
+                        data.encode("utf-8") if isinstance(data, str) else data)
     return path
+
+
+def tree_files(root: Path) -> Dict[str, bytes]:
+    """Every file of an extracted tree (symlinks followed; byte-code caches and the repository rule's files left
+    out), for a wheel made from it."""
+    root = Path(root)
+    skip = {"BUILD.bazel", "WORKSPACE", "carrier.json", "pinned.manifest.json"}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".pyo"))
+            and p.relative_to(root).as_posix() not in skip}
 
 
 def snapshot(root: Path) -> Dict[str, bytes]:
