@@ -54,9 +54,9 @@ def run_job(job: dict, repo: str, tree_root: str) -> dict:
     import moe_ep
     from shim.common.backend import compile_only_frontend
 
-    out = {"id": job["id"], "ok": False, "stage": "resolve", "seconds": 0.0, "knobs": None, "error": "",
-           "shim_site": None, "drop_site": None}
-    t0 = time.perf_counter()
+    out = {"id": job["id"], "ok": False, "stage": "resolve", "seconds": 0.0, "cpu_seconds": 0.0, "knobs": None,
+           "error": "", "shim_site": None, "drop_site": None}
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         spec = moe_ep.MoESpec(**job["geometry"], max_tokens_per_rank=job["capacity"])
         frontend = compile_only_frontend(job["backend"], spec, fmt=job["fmt"], knobs=job["knobs"],
@@ -64,7 +64,7 @@ def run_job(job: dict, repo: str, tree_root: str) -> dict:
         out["knobs"] = _knobs_dict(getattr(frontend, "knobs", None))
         if job["compile"]:
             out["stage"] = "compile"
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             frontend.compile()
         out["ok"] = True
     except BaseException as e:  # noqa: BLE001 - every failure is the verdict of this job, reported, not raised
@@ -74,6 +74,7 @@ def run_job(job: dict, repo: str, tree_root: str) -> dict:
         out["shim_site"] = _site(e.__traceback__, os.path.join(repo, "shim"), repo)
         out["drop_site"] = _site(e.__traceback__, tree_root, tree_root)
     out["seconds"] = round(time.perf_counter() - t0, 3)
+    out["cpu_seconds"] = round(time.process_time() - c0, 3)  # the machine's other load left out
     return out
 
 

@@ -76,6 +76,7 @@ class Outcome:
     ok: bool
     stage: str  # resolve | compile
     seconds: float
+    cpu_seconds: float = 0.0
     knobs: Optional[dict] = None
     error: str = ""
     shim_site: Optional[str] = None
@@ -98,8 +99,8 @@ class BuildReport:
         mine = [o for o in self.of(pair) if o.job.in_use]
         return bool(mine) and all(o.ok for o in mine) and any(o.job.compile for o in mine)
 
-    def compile_seconds(self) -> List[float]:
-        return [o.seconds for o in self.outcomes if o.job.compile and o.ok]
+    def compile_seconds(self, cpu: bool = False) -> List[float]:
+        return [o.cpu_seconds if cpu else o.seconds for o in self.outcomes if o.job.compile and o.ok]
 
     def summary(self, pair: Pair) -> Tuple[str, str]:
         """(resolve, compile) cells of the verdict table."""
@@ -274,7 +275,7 @@ def _collect(child: dict, results: Dict[int, Outcome], log: Callable[[str], None
         if job.compile:
             state = "ok" if data["ok"] else "FAILED: " + data["error"][:200]
             log(f"  compile {job.backend} [{job.fmt}] capacity {job.capacity} ({job.source}): {state} "
-                f"({data['seconds']:.1f} s)")
+                f"({data['seconds']:.1f} s, CPU {data['cpu_seconds']:.1f} s)")
 
 
 # ---- what it means for the audit ----------------------------------------------------------------

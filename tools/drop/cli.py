@@ -6,7 +6,10 @@
     bazel run //tools:drop -- docs [--tree ...] [--check]
     bazel run //tools:drop -- layering
 
-(or `python -m tools.drop ...` from the repo root).
+(or `python -m tools.drop ...` from the repo root). `audit` and `bump` end with the build stage
+(tools/drop/build_stage.py: the shim resolves knobs at every token bucket and compiles kernels against the
+new tree, on the CPU, in child processes): `--no-compile` keeps the resolves, `--static-only` skips it,
+`--compile-jobs N` runs N compiles at once.
 
 Exit codes of `audit` and `bump`:
   0  compatible: no break (warn/note rows may still ask for a review or --accept-contract)

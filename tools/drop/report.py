@@ -112,10 +112,10 @@ def render_summary(result: AuditResult, markdown: bool = False) -> str:
         jobs = result.build.outcomes
         line = (f"build stage: {sum(not o.job.compile for o in jobs)} knob resolutions, "
                 f"{sum(o.job.compile for o in jobs)} compiles")
-        seconds = result.build.compile_seconds()
+        seconds, cpu = result.build.compile_seconds(), result.build.compile_seconds(cpu=True)
         if not markdown and seconds:  # the report stays the same from run to run
             line += (f" in {result.build.wall_s:.0f} s on {result.build.compile_jobs} child process(es); compiles "
-                     f"{min(seconds):.1f}-{max(seconds):.1f} s each")
+                     f"{min(seconds):.1f}-{max(seconds):.1f} s each (CPU {min(cpu):.1f}-{max(cpu):.1f} s)")
         out += [line, ""]
     elif backend_rows:
         out += [table(("backend", "formats", "verdict", "breaks"), backend_rows), ""]

@@ -127,7 +127,7 @@ def test_a_static_break_that_builds_is_a_warning_with_its_reason(repo, pinned):
                      ("shim/sm90/knobs.py:1",), (FP8,))
     knob = Finding("knobs", "break", "Sm90MegaMoEFp8Kernel.pingpong=3", "rejected by ...", (), (FP8,))
     result.findings += [static, knob]
-    ok = build_stage.Outcome(build_stage.Job(0, *FP8, 64, True), True, "compile", 7.0, {})
+    ok = build_stage.Outcome(build_stage.Job(0, *FP8, 64, True), True, "compile", 7.0)
     build_stage.apply_build(result, build_stage.BuildReport("sm90", [FP8], [ok], 8.0, 1))
     got = {f.section: f for f in result.findings if f.subject in (static.subject, knob.subject)}
     assert got["reads"].status == "warn" and got["reads"].detail.startswith("the shim reads .field of a Config")
