@@ -59,14 +59,13 @@ class Job:
     capacity: int
     compile: bool
     knobs: Optional[dict] = None  # explicit (a table row); None: the shim's resolution (the heuristic)
-    geometry: Tuple[Tuple[str, int], ...] = tuple(GEOMETRY.items())
     world_size: int = 1
     source: str = "heuristic"  # or "table <key>"
     in_use: bool = True  # False: a table row measured on another drop (never used with this one)
 
     def as_plan(self) -> dict:
         return {"id": self.id, "backend": self.backend, "fmt": self.fmt, "capacity": self.capacity,
-                "compile": self.compile, "knobs": self.knobs, "geometry": dict(self.geometry),
+                "compile": self.compile, "knobs": self.knobs, "geometry": dict(GEOMETRY),
                 "world_size": self.world_size}
 
 
@@ -183,7 +182,8 @@ def plan_jobs(repo: Path, arch: str, pairs: Sequence[Pair], *, compile_capacitie
             if f != fmt:
                 continue
             build = compile and compile_tables and in_use and program not in compiled_rows
-            compiled_rows.add(program) if build else None
+            if build:
+                compiled_rows.add(program)
             add(backend=backend, fmt=fmt, capacity=capacity, compile=build, knobs=knobs, world_size=world,
                 source=f"table {key}", in_use=in_use)
     if compile:

@@ -51,7 +51,7 @@ def runfiles_tree_root(tree: TreeFacts) -> Optional[Path]:
     # leave it for the source checkout.
     roots += [parent for parent in Path(__file__).absolute().parents if parent.name.endswith(".runfiles")]
     for root in roots:
-        candidate = root / tree.bazel_repo
+        candidate = root / tree.repo_name
         if candidate.is_dir() and package_dirs(candidate):
             return candidate
     return None
