@@ -18,6 +18,7 @@ __all__ = [
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
     "RankDivergenceError", "PeerLostError",
     "DeviceUnavailableError",
+    "CheckConfigError",
 ]
 
 
@@ -190,3 +191,8 @@ class PeerLostError(ProcessGroupError):
         self.ranks = tuple(ranks)
         self.transport = transport
         super().__init__(argument, message)
+
+
+class CheckConfigError(MoEError, ValueError):
+    """MoELayer(check_values=..., collective_checks=...) or $MOE_EP_CHECKS is not a schedule the layer knows;
+    ``argument`` names the argument or the variable."""
