@@ -17,7 +17,7 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
                                 KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError,
                                 LayerClosedError, RegistrationError, RankDivergenceError, PeerLostError,
-                                DeviceUnavailableError)
+                                DeviceUnavailableError, CheckConfigError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
@@ -39,4 +39,5 @@ __all__ = [
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
     "RankDivergenceError", "PeerLostError",
     "DeviceUnavailableError",
+    "CheckConfigError",
 ]

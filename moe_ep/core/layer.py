@@ -26,7 +26,8 @@ AGREED_CALLS = 1
 CHUNKING = ("strict", "agree")
 _NO_LIMIT = 1 << 62
 _MAX_SEEN = 4096  # (T, id dtype) pairs whose first call had its ids checked; forgotten (and re-checked) beyond it
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+# torch's C binding (~0.1 us); a CPU-only build has a placeholder there, and no capture.
+_capturing = torch._C._cuda_isCurrentStreamCapturing if torch.backends.cuda.is_built() else (lambda: False)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
