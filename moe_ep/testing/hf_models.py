@@ -32,8 +32,8 @@ ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
 # Small dims, the real block structure: 8 experts, top-2, 2 decoder layers (DeepSeek-V3: the first dense, as its
 # first_k_dense_replace keeps; group-limited sigmoid routing with 2 groups, a shared expert, routed scaling 2.5).
 # initializer_range 0.1 (instead of 0.02) spreads the logits (std ~1) so most top-2 gaps are well above bf16 noise.
-# H and I are multiples of 128: the FP8 block format's rule (the GPU run uses the same models).
-_COMMON = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+# H 256 and I 128: multiples of 128 (the FP8 block format's rule), the geometry the Hopper GPU suites run.
+_COMMON = dict(vocab_size=256, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False)
 _TINY: Dict[str, Dict[str, Any]] = {
     "mixtral": dict(intermediate_size=128, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2),
@@ -215,3 +215,71 @@ def compare_run(model, ref: Dict[str, Any], new_tokens: int, *, logits_tol: floa
 def prompt_ids(batch: int, length: int, seed: int, vocab: int = 256, device: Optional[str] = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (batch, length), generator=g).to(device or "cpu")
+
+
+# Bounds on the teacher-forced / decode logits, relative L2 per position, by the layer's format, against the
+# model's own bf16 experts. bf16: the two implementations' rounding (0.7-1.5 % measured on these models on the
+# CPU). fp8_block: the weights and the FC1/FC2 inputs in e4m3 with 128-wide block scales lose up to 2^-4 relative
+# per element (3 mantissa bits), about 2.5-3 % RMS for these Gaussian-like values; the MoE output then errs by
+# ~4-5 % (weights and activations together), adds into a residual stream of comparable size in every MoE layer,
+# and the logits measured 6.8-7.6 % off (torch reference in fp8_block on the CPU, which stages and quantizes as
+# the kernel does): 0.1 leaves room for the kernel's accumulation order and still catches a wrong expert or a
+# lost scale (tens of percent). Against moe_ep's own torch reference in the same format (the same bytes in, only
+# the accumulation order differs) the bf16 bound serves every format.
+LOGITS_TOL = {"bf16": 3e-2, "fp8_block": 1e-1}
+SAME_FORMAT_TOL = 3e-2
+# A perturbation of E reroutes the tokens whose router gaps are below it: FP8's larger error reroutes 30-70 % of
+# the positions of these tiny random models (8 experts, small router gaps), bf16's a few: the share of positions
+# that must stay comparable, by format.
+MIN_COMPARED = {"bf16": 0.5}
+
+
+def run_model_check(arch: str = "deepseek_v3", *, new_tokens: int = 16, batch: int = 2, prompt_len: int = 12,
+                    seed: int = 0, backend: Optional[str] = None, fmt: Optional[str] = None,
+                    capacity: int = 16, against: str = "transformers",
+                    logits_tol: Optional[float] = None) -> Dict[str, Any]:
+    """Rank side (tools/launch; collective): a tiny model of `arch` on this rank's device, the reference run, then
+    its experts on moe_ep (`backend`, `fmt`; expert parallel over the default group) and compare_run. The
+    reference is the model's own experts (against="transformers") or moe_ep's torch reference backend in the same
+    format (against="torch_reference": the same quantized bytes, so what is left is the kernel's own error).
+    Each rank has its own prompts (seeded by rank) and batch size (batch - rank % 2: the ranks' token counts
+    differ)."""
+    import moe_ep
+    from moe_ep.integrations.transformers import close, swap_experts
+
+    if against not in ("transformers", "torch_reference"):
+        raise ValueError(f"against must be 'transformers' or 'torch_reference', got {against!r}")
+    ctx = moe_ep.init_from_env()
+    model = tiny_model(arch, device=ctx.device)
+    ids = prompt_ids(max(1, batch - ctx.rank % 2), prompt_len, seed=100 * seed + ctx.rank, device=ctx.device)
+    if against == "torch_reference":
+        first = swap_experts(model, backend="torch_reference", fmt=fmt or _backend_format(backend, ctx.device),
+                             max_tokens_per_rank=capacity)
+        del first
+        ref = reference_run(model, ids, new_tokens)
+        close(model)
+        model = tiny_model(arch, device=ctx.device)
+    else:
+        ref = reference_run(model, ids, new_tokens)
+    swapped = swap_experts(model, backend=backend, fmt=fmt, max_tokens_per_rank=capacity)
+    layer = next(iter(swapped.values())).layer
+    tol = logits_tol if logits_tol is not None else (
+        SAME_FORMAT_TOL if against == "torch_reference" else LOGITS_TOL.get(layer.fmt, 1e-1))
+    min_compared = 0.5 if against == "torch_reference" else MIN_COMPARED.get(layer.fmt, 0.25)
+    try:
+        result = compare_run(model, ref, new_tokens, logits_tol=tol, min_compared=min_compared)
+    finally:
+        close(model)
+    if layer.fmt == "bf16" or against == "torch_reference":  # decode steps compared, not all rerouted
+        result["ok"] &= result["compared_steps"] >= result["steps"] // 4
+    result.update(rank=ctx.rank, world_size=ctx.world_size, arch=arch, backend=layer.backend_name, fmt=layer.fmt,
+                  against=against, device=str(ctx.device), layers=len(swapped), prompts=ids.cpu().tolist())
+    return result
+
+
+def _backend_format(backend: Optional[str], device) -> str:
+    from moe_ep.core import registry
+
+    entry = (registry.select_backend(registry.detect_arch(device)) if backend in (None, "auto")
+             else registry.get_entry(backend))
+    return entry.default_format
