@@ -41,7 +41,7 @@ class MoEModule(torch.nn.Module):
         super().__init__()
         self._layer = MoELayer(spec, weights, backend, **layer_options)
         self._options = dict(layer_options, backend=self._layer.backend_name, fmt=self._layer.fmt,
-                             group=self._layer.ctx.group, device=self._layer.ctx.device, name=self._layer.name)
+                             group=self._layer.ctx.group, device=self._layer.ctx.device)
 
     @property
     def layer(self) -> MoELayer:
