@@ -212,7 +212,7 @@ def compare_run(model, ref: Dict[str, Any], new_tokens: int, *, logits_tol: floa
                 ref_tokens=seq[:, n0:].tolist(), moe_ep_tokens=got_seq[:, n0:].tolist())
 
 
-def prompt_ids(batch: int, length: int, seed: int, vocab: int = 256, device: Optional[str] = None) -> torch.Tensor:
+def prompt_ids(batch: int, length: int, seed: int, vocab: int = 256, device=None) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (batch, length), generator=g).to(device or "cpu")
 
@@ -236,29 +236,33 @@ MIN_COMPARED = {"bf16": 0.5}
 
 def run_model_check(arch: str = "deepseek_v3", *, new_tokens: int = 16, batch: int = 2, prompt_len: int = 12,
                     seed: int = 0, backend: Optional[str] = None, fmt: Optional[str] = None,
-                    capacity: int = 16, against: str = "transformers",
+                    capacity: int = 16, against: str = "transformers", dtype: str = "bfloat16",
                     logits_tol: Optional[float] = None) -> Dict[str, Any]:
     """Rank side (tools/launch; collective): a tiny model of `arch` on this rank's device, the reference run, then
     its experts on moe_ep (`backend`, `fmt`; expert parallel over the default group) and compare_run. The
     reference is the model's own experts (against="transformers") or moe_ep's torch reference backend in the same
     format (against="torch_reference": the same quantized bytes, so what is left is the kernel's own error).
-    Each rank has its own prompts (seeded by rank) and batch size (batch - rank % 2: the ranks' token counts
-    differ)."""
+    dtype: the model's ("bfloat16" or "float32": its hidden states then reach moe_ep in fp32, its experts are held in
+    bf16). Each rank has its own prompts (seeded by rank) and batch size (batch - rank % 2: the ranks' token counts
+    differ). `compared_steps` says how many decode steps were compared (a prompt position rerouted early takes
+    its whole row out): a caller checking several runs wants a good share of them compared."""
     import moe_ep
     from moe_ep.integrations.transformers import close, swap_experts
 
     if against not in ("transformers", "torch_reference"):
         raise ValueError(f"against must be 'transformers' or 'torch_reference', got {against!r}")
     ctx = moe_ep.init_from_env()
-    model = tiny_model(arch, device=ctx.device)
-    ids = prompt_ids(max(1, batch - ctx.rank % 2), prompt_len, seed=100 * seed + ctx.rank, device=ctx.device)
+    dt = getattr(torch, dtype)
+    model = tiny_model(arch, device=ctx.device, dtype=dt)
+    ids = prompt_ids(max(1, batch - ctx.rank % 2), prompt_len, seed=100 * seed + ctx.rank, device=ctx.device,
+                     vocab=model.config.vocab_size)
     if against == "torch_reference":
         first = swap_experts(model, backend="torch_reference", fmt=fmt or _backend_format(backend, ctx.device),
                              max_tokens_per_rank=capacity)
         del first
         ref = reference_run(model, ids, new_tokens)
         close(model)
-        model = tiny_model(arch, device=ctx.device)
+        model = tiny_model(arch, device=ctx.device, dtype=dt)
     else:
         ref = reference_run(model, ids, new_tokens)
     swapped = swap_experts(model, backend=backend, fmt=fmt, max_tokens_per_rank=capacity)
@@ -270,8 +274,6 @@ def run_model_check(arch: str = "deepseek_v3", *, new_tokens: int = 16, batch: i
         result = compare_run(model, ref, new_tokens, logits_tol=tol, min_compared=min_compared)
     finally:
         close(model)
-    if layer.fmt == "bf16" or against == "torch_reference":  # decode steps compared, not all rerouted
-        result["ok"] &= result["compared_steps"] >= result["steps"] // 4
     result.update(rank=ctx.rank, world_size=ctx.world_size, arch=arch, backend=layer.backend_name, fmt=layer.fmt,
                   against=against, device=str(ctx.device), layers=len(swapped), prompts=ids.cpu().tolist())
     return result
