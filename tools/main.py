@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", nargs="?", const="deepseek_v3", default=None, metavar="ARCH",
                     choices=("deepseek_v3", "qwen3_moe", "mixtral"),
                     help="model mode: a tiny random transformers model of ARCH (default deepseek_v3) built from its "
-                         "config, its routed experts on moe_ep over the ranks (default 2 on CPU), greedy "
+                         "config, its routed experts on moe_ep over the ranks (default 2), greedy "
                          "generation next to the model's own experts (--new-tokens, --backend, --fmt apply)")
     ap.add_argument("--new-tokens", type=int, default=8, help="model mode: tokens each rank generates")
     ap.add_argument("--model-layers", type=int, default=0, metavar="N",
