@@ -47,11 +47,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     sync = torch.cuda.synchronize
     g = GEOMS["dsv3"]
     h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
-    weights = random_weights(g, torch.Generator().manual_seed(100), dev)  # the benchmark's weights
-    if world > 1:
-        weights = moe_ep.ExpertWeights.from_global(weights.w13.repeat(world, 1, 1), weights.w2.repeat(world, 1, 1),
-                                                   rank, world)
-        e *= world
+    # the benchmark's weights (32 experts per rank)
+    weights = random_weights(g, torch.Generator().manual_seed(100 + rank), dev, rank, world)
+    e *= world
     kinds = {"defaults": {}, "checks off": dict(check_values=False, collective_checks=False),
              "every check": dict(check_values=True, collective_checks=True)}
     rows: List[Dict[str, object]] = []
