@@ -233,9 +233,18 @@ def test_backend_and_format_selection_errors(group):
     with pytest.raises(moe_ep.FormatError) as e:
         moe_ep.MoELayer(spec, _weights(), fmt="int4")
     assert e.value.argument == "fmt"
-    with pytest.raises(moe_ep.FormatError) as e:
+    with pytest.raises(moe_ep.BackendUnavailableError) as e:  # a kernel backend on this CPU: refused for the device
         moe_ep.MoELayer(spec, _weights(), backend="sm90_fp8_cutedsl", fmt="nvfp4")
-    assert e.value.argument == "fmt" and "fp8_block" in str(e.value)
+    assert e.value.argument == "backend"
+    from moe_ep.reference.backend import TorchReferenceBackend as _Ref
+
+    moe_ep.register_backend("t_bf16_entry", _Ref, arch="cpu", formats=("bf16", "fp8_block"), replace=True)
+    try:
+        with pytest.raises(moe_ep.FormatError) as e:  # a format the registry entry does not name
+            moe_ep.MoELayer(spec, _weights(), backend="t_bf16_entry", fmt="nvfp4")
+        assert e.value.argument == "fmt" and "fp8_block" in str(e.value)
+    finally:
+        moe_ep.unregister_backend("t_bf16_entry")
     with pytest.raises(moe_ep.CalibrationError) as e:
         moe_ep.MoELayer(spec, _weights(), fmt="fp8_tensor")
     assert e.value.argument == "weights.act_amax"
