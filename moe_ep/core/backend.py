@@ -19,14 +19,18 @@ class Backend:
     """Subclass and register (moe_ep.register_backend). Class attributes describe what it serves:
 
     name, arch ("cpu" | "sm90" | "sm100"), weight_formats (the fmt strings it accepts; the first is its
-    default). Outputs are bf16 [T, H]. check_spec() states its capacity / divisibility rules so the layer can
-    reject a spec before any workspace is allocated. Backend options (MoELayer(..., **options)) are the
-    subclass's own constructor keywords.
+    default), input_dtypes / routing_weight_dtypes (the hidden / topk_weights dtypes forward() takes as they are,
+    rounding hidden to bf16 and reading the weights as fp32 where it stages them; the layer converts any other dtype
+    it accepts before the call). Outputs are bf16 [T, H]. check_spec() states its capacity / divisibility rules so
+    the layer can reject a spec before any workspace is allocated. Backend options (MoELayer(..., **options)) are
+    the subclass's own constructor keywords.
     """
 
     name: ClassVar[str] = "abstract"
     arch: ClassVar[str] = "cpu"
     weight_formats: ClassVar[Tuple[str, ...]] = FORMATS
+    input_dtypes: ClassVar[Tuple[torch.dtype, ...]] = (torch.bfloat16,)
+    routing_weight_dtypes: ClassVar[Tuple[torch.dtype, ...]] = (torch.float32,)
 
     def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None):
         self.spec = spec

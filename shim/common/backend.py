@@ -22,6 +22,8 @@ import os
 from types import ModuleType
 from typing import ClassVar, Dict, List, Optional, Tuple
 
+import torch
+
 from moe_ep.core.backend import Backend
 from moe_ep.core.errors import BackendUnavailableError
 from moe_ep.core.spec import LayerGeometry
@@ -57,6 +59,9 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     knobs_module: ClassVar[ModuleType]
     # Set on each generated row class: the row it serves.
     format: ClassVar[KernelFormat]
+    # The frontend copies both into its buffers on every path anyway; the copy converts (shim/common/frontend.py).
+    input_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    routing_weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     @classmethod
     def row_classes(cls) -> Dict[str, type]:

@@ -356,7 +356,11 @@ class MegaMoEFrontend(Composed, LayerGeometry):
     def _launch_in_place(self, t: int, x, topk_idx, topk_weights, out) -> None:
         if t:
             self.topk_idx[:t].copy_(topk_idx)
-            self.topk_w[:t].copy_(topk_weights)
+            self.topk_w[:t].copy_(topk_weights)  # fp32 whatever the caller's float dtype: the copy converts
+            if x.dtype is not torch.bfloat16:
+                # fp16 / fp32 hidden: rounded to bf16 in its one copy, into the graphs' input buffer.
+                self.x_in[:t].copy_(x)
+                x = self.x_in
         self._launch(t, x[:t], out)
 
     def _launch(self, t: int, x: torch.Tensor, out: Optional[torch.Tensor]) -> None:
@@ -365,6 +369,8 @@ class MegaMoEFrontend(Composed, LayerGeometry):
         if rows > t:
             self.topk_idx[t:rows].fill_(-1)
         if t:
+            if self.guard_ids:
+                self._guard_ids(t)
             self.prepare_routing(t)
             self.stage_activations(x)
         out_rows = max(t, 1)
@@ -384,6 +390,21 @@ class MegaMoEFrontend(Composed, LayerGeometry):
         self.compiled(**args)
         if out is not None and not direct and t > 0:
             out.copy_(self.out_buf[:t])
+
+    # An expert id >= num_experts reaches the kernel's dispatch as a shared-memory counter index past its array and a
+    # peer rank that does not exist (src/token_comm.py): memory corruption or an illegal address, then peers that
+    # wait forever. The layer checks ids on the first call of each shape; this guard, inside every launch (and so
+    # inside its graph: no host time, three small kernels of device time), stops the stream with a device-side
+    # assert before the kernel can read one on any later call. Ids below -1 are let through: the dispatch and the
+    # top-k reduce skip every negative id as they skip -1 (an int64 id below -2**31 would wrap in the dispatch's
+    # int32 read; no router makes one).
+    guard_ids = True
+
+    def _guard_ids(self, t: int) -> None:
+        idx = self.topk_idx[:t]
+        torch._assert_async(idx.lt(self.spec.num_experts).all(),
+                            "moe_ep: an expert id >= num_experts reached the MegaMoE kernel (the layer's value checks "
+                            "were off for this call: MoELayer(check_values=True) or MOE_EP_CHECKS=all names it)")
 
     @final
     def close(self) -> None:

@@ -26,8 +26,10 @@ __all__ = ["GraphCache", "buffers_key"]
 
 def buffers_key(t: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 out: torch.Tensor) -> tuple:
-    """The key of a graph that reads and writes the caller's buffers in place."""
-    return (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
+    """The key of a graph that reads and writes the caller's buffers in place (their dtypes too: the graph holds the
+    conversions of an fp16 / fp32 hidden or routing-weight copy)."""
+    return (t, x.data_ptr(), x.dtype, topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), topk_weights.dtype,
+            out.data_ptr())
 
 
 class GraphCache:

@@ -9,18 +9,25 @@ there: every file, symlinks followed, except byte-code caches (`__pycache__/`, `
 the Bazel repository rule adds at the root (ADDED_FILES). Keep the two in step: a file one side counts and
 the other skips shows up as `added` or `removed` on every load.
 
+Byte code and native code are listed apart (`scan_tree`): a `.pyc` / `.pyo` outside `__pycache__/` is a sourceless
+module Python imports as it is, and a shared object (`.so`, `.pyd`, any extension suffix) shadows the `.py` of the
+same name; neither is ever part of a drop as the wheel ships it. So are the directories (one no manifest file sits
+under is a package the drop does not have: Python imports it as a namespace package).
+
 Stdlib only; nothing here imports a kernel module. tree.py decides what a mismatch means.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, FrozenSet, List
 
-__all__ = ["ADDED_FILES", "PINNED_MANIFEST", "TreeDiff", "diff_files", "load_manifest", "tree_digests"]
+__all__ = ["ADDED_FILES", "PINNED_MANIFEST", "TreeDiff", "TreeScan", "diff_files", "listed_dirs", "load_manifest",
+           "scan_tree", "tree_digests"]
 
 # Written inside the Bazel drop repository at fetch time, from the pinned manifest (drop_repo.bzl).
 PINNED_MANIFEST = "pinned.manifest.json"
@@ -28,6 +35,7 @@ PINNED_MANIFEST = "pinned.manifest.json"
 ADDED_FILES = frozenset({"BUILD.bazel", "WORKSPACE", "carrier.json", PINNED_MANIFEST})
 _SKIP_DIRS = frozenset({"__pycache__"})
 _SKIP_SUFFIXES = (".pyc", ".pyo")
+_NATIVE_SUFFIXES = tuple(sorted(set(importlib.machinery.EXTENSION_SUFFIXES) | {".so", ".pyd"}))
 _CHUNK = 1 << 20
 
 
@@ -41,21 +49,50 @@ def _sha256(path: str) -> str:
         return h.hexdigest()
 
 
-def tree_digests(root: str) -> Dict[str, str]:
-    """{relative path: sha256} of every file of the tree at `root` (see the module doc for what is left out)."""
+@dataclass
+class TreeScan:
+    digests: Dict[str, str]  # {relative path: sha256} of every file of the tree (the manifest's view)
+    sourceless: List[str]  # .pyc / .pyo outside __pycache__/: importable byte code with no source
+    native: List[str]  # shared objects: importable native code
+    dirs: List[str]  # every directory but __pycache__/, relative ('' is not listed)
+
+
+def scan_tree(root: str) -> TreeScan:
+    """One walk of the tree at `root`: its files' digests, and what is importable without being a source file."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"not a directory: {root}")
-    out: Dict[str, str] = {}
+    scan = TreeScan({}, [], [], [])
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
         rel_dir = os.path.relpath(dirpath, root)
         at_root = rel_dir == "."
+        if not at_root:
+            scan.dirs.append(rel_dir.replace(os.sep, "/"))
         for name in filenames:
-            if name.endswith(_SKIP_SUFFIXES) or (at_root and name in ADDED_FILES):
-                continue
             rel = name if at_root else f"{rel_dir}/{name}".replace(os.sep, "/")
-            out[rel] = _sha256(os.path.join(dirpath, name))
-    return out
+            if name.endswith(_SKIP_SUFFIXES):
+                scan.sourceless.append(rel)
+                continue
+            if at_root and name in ADDED_FILES:
+                continue
+            if name.endswith(_NATIVE_SUFFIXES):
+                scan.native.append(rel)
+            scan.digests[rel] = _sha256(os.path.join(dirpath, name))
+    return scan
+
+
+def tree_digests(root: str) -> Dict[str, str]:
+    """{relative path: sha256} of every file of the tree at `root` (see the module doc for what is left out)."""
+    return scan_tree(root).digests
+
+
+def listed_dirs(files) -> FrozenSet[str]:
+    """The directories a manifest's files sit in (every ancestor)."""
+    out = set()
+    for rel in files:
+        parts = rel.split("/")[:-1]
+        out.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return frozenset(out)
 
 
 def load_manifest(path: str) -> dict:

@@ -34,9 +34,11 @@ from typing import Dict, List, Optional, Tuple
 
 from moe_ep.core.errors import BackendUnavailableError
 from shim.common import integrity as _integrity
+from shim.common.tree_facts import DROP_PACKAGES as _DROP_PACKAGES
+from shim.common.tree_facts import KERNEL_NAMES, TREES, TreeFacts
 
 __all__ = [
-    "TreeSpec", "TREES", "UNPINNED_ENV", "TreeConflictError", "TreeNotFoundError", "TreeIntegrityError",
+    "KERNEL_NAMES", "TREES", "UNPINNED_ENV", "TreeConflictError", "TreeNotFoundError", "TreeIntegrityError",
     "UnpinnedTreeWarning", "activate", "active_tree", "check_module", "locate", "tree_provenance",
 ]
 
@@ -60,42 +62,6 @@ class UnpinnedTreeWarning(UserWarning):
     """An env-var tree that matches no pinned manifest was loaded because MOE_EP_UNPINNED_TREE opted in."""
 
 
-@dataclass(frozen=True)
-class TreeSpec:
-    arch: str
-    repo_name: str  # Bazel external repository holding the tree
-    env_var: str  # outside Bazel: path to the tree's src/ root
-    marker: str  # a package only this tree has
-    top_level: Tuple[str, ...]
-    wheel_subdir: str = ""  # where the tree sits in the flashinfer-python wheel (for messages)
-
-
-TREES: Dict[str, TreeSpec] = {
-    "sm90": TreeSpec(
-        arch="sm90",
-        repo_name="cutedsl_megamoe_sm90",
-        env_var="MOE_EP_SM90_TREE",
-        marker="moe_hopper_fp8",
-        top_level=("common", "src", "moe_hopper_fp8", "moe_hopper_bf16", "moe_nvfp4_swapab"),
-        wheel_subdir="flashinfer/moe_ep/kernel_src/sm90/pull_style_cutedsl_megakernel/src/",
-    ),
-    "sm100": TreeSpec(
-        arch="sm100",
-        repo_name="cutedsl_megamoe_sm100",
-        env_var="MOE_EP_SM100_TREE",
-        marker="moe_mxfp8_glu",
-        top_level=(
-            "common", "src", "moe_bf16_glu", "moe_mxfp8_glu", "moe_mxfp8_bf16_glu", "moe_nvfp4_swapab",
-        ),
-        wheel_subdir="flashinfer/moe_ep/kernel_src/sm100/cutedsl_megamoe/src/",
-    ),
-}
-
-# Every top-level name either tree defines: an import under one of these is a kernel import.
-KERNEL_NAMES = frozenset(n for s in TREES.values() for n in s.top_level)
-# Names only the drops use (not the generic `common` / `src`): a sys.path entry holding one is a tree.
-_DROP_PACKAGES = KERNEL_NAMES - {"common", "src"}
-
 # Directories holding the committed manifests (<arch>.manifest.json). None: this checkout's
 # third_party/cutedsl_megamoe/, found next to this file as laid out in the runfiles and, following the
 # symlink, in the checkout itself. Tests point it elsewhere in-process; there is no env var for it (an env
@@ -104,7 +70,7 @@ _PIN_DIRS: Optional[List[str]] = None
 
 _active: Optional[Tuple[str, str]] = None  # (arch, root)
 _provenance: Dict[str, dict] = {}
-_hashed: Dict[str, Tuple[Dict[str, str], float]] = {}  # abspath(root) -> (digests, ms): hashed once per process
+_hashed: Dict[str, Tuple[_integrity.TreeScan, float]] = {}  # abspath(root) -> (scan, ms): hashed once per process
 _guard: Optional["_KernelImportGuard"] = None
 
 
@@ -135,11 +101,11 @@ def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root + os.sep)
 
 
-def _is_tree(path: str, spec: TreeSpec) -> bool:
+def _is_tree(path: str, spec: TreeFacts) -> bool:
     return os.path.isdir(os.path.join(path, spec.marker))
 
 
-def _bazel_roots(spec: TreeSpec) -> List[str]:
+def _bazel_roots(spec: TreeFacts) -> List[str]:
     """The drop repository as Bazel lays it out (sys.path entries and runfiles roots named by the repo)."""
     found: List[str] = []
     cands = [e for e in sys.path if e and os.path.basename(os.path.normpath(e)) == spec.repo_name]
@@ -154,7 +120,7 @@ def _bazel_roots(spec: TreeSpec) -> List[str]:
     return found
 
 
-def _env_root(spec: TreeSpec) -> Optional[str]:
+def _env_root(spec: TreeFacts) -> Optional[str]:
     value = os.environ.get(spec.env_var)
     if not value:
         return None
@@ -163,7 +129,7 @@ def _env_root(spec: TreeSpec) -> Optional[str]:
         raise TreeNotFoundError(
             spec.env_var,
             f"{spec.env_var}={value} is not the {spec.arch} tree's src/ root (no {spec.marker}/ in it). Point it at "
-            f"the {spec.wheel_subdir} directory of an extracted flashinfer-python wheel, or unset it under Bazel.",
+            f"the {spec.wheel_prefix} directory of an extracted flashinfer-python wheel, or unset it under Bazel.",
         )
     return root
 
@@ -203,6 +169,7 @@ class _Check:
     diff: _integrity.TreeDiff = field(default_factory=_integrity.TreeDiff)
     files: int = 0
     ms: float = 0.0
+    scan: Optional[_integrity.TreeScan] = None
 
 
 def _pin_dirs() -> List[str]:
@@ -242,25 +209,57 @@ def _bazel_pin(arch: str, root: str) -> Optional[_Pin]:
     return committed[0] if committed else None
 
 
-def _digests(root: str) -> Tuple[Dict[str, str], float]:
-    """{relative path: sha256} of every file under root, hashed once per process; and the ms it took."""
+def _scan(root: str) -> Tuple[_integrity.TreeScan, float]:
+    """Every file under root hashed (and byte code, native code and directories listed), once per process; and
+    the ms it took."""
     if root not in _hashed:
         t0 = time.perf_counter()
-        digests = _integrity.tree_digests(root)
-        _hashed[root] = (digests, (time.perf_counter() - t0) * 1e3)
+        scan = _integrity.scan_tree(root)
+        _hashed[root] = (scan, (time.perf_counter() - t0) * 1e3)
     return _hashed[root]
 
 
 def _verify(root: str, pins: List[_Pin]) -> _Check:
-    """Compares the tree at root with each pin in turn: ok on the first that matches exactly."""
-    digests, ms = _digests(root)
+    """Compares the tree at root with each pin in turn: ok on the first that matches exactly (its files, and no
+    directory the pin's files do not sit in: Python would import one as a namespace package)."""
+    scan, ms = _scan(root)
     first = None
     for pin in pins:
-        diff = _integrity.diff_files(pin.files, digests)
+        diff = _integrity.diff_files(pin.files, scan.digests)
+        listed = _integrity.listed_dirs(pin.files)
+        diff.added = sorted(diff.added + [d + "/" for d in scan.dirs if d not in listed])
         if not diff:
-            return _Check(root, pin, True, diff, len(digests), ms)
-        first = first or _Check(root, pin, False, diff, len(digests), ms)
-    return first or _Check(root, None, False, _integrity.TreeDiff(), len(digests), ms)
+            return _Check(root, pin, True, diff, len(scan.digests), ms, scan)
+        first = first or _Check(root, pin, False, diff, len(scan.digests), ms, scan)
+    return first or _Check(root, None, False, _integrity.TreeDiff(), len(scan.digests), ms, scan)
+
+
+def _foreign_code(spec: TreeFacts, check: _Check, bazel: bool) -> Optional[TreeIntegrityError]:
+    """Byte code without source, and native code the pin does not list: refused whatever the tree's pin status (an
+    unpinned tree opts in to edited sources, not to code nobody can read), and named before any other difference:
+    a drop ships Python sources only."""
+    listed = check.pin.files if check.pin else {}
+    scan = check.scan
+    found = [(rel, "byte code without its source: Python imports it as a module") for rel in scan.sourceless]
+    found += [(rel, "a shared object: Python imports it before a .py of the same name")
+              for rel in scan.native if rel not in listed]
+    if not found:
+        return None
+    named = "; ".join(f"{_where(check.root, rel)} ({why})" for rel, why in found[:4])
+    more = f" (+{len(found) - 4} more)" if len(found) > 4 else ""
+    fix = (f"re-fetch it (`bazel sync --only={spec.repo_name}`)" if bazel else
+           f"delete them, or re-extract {spec.wheel_prefix} from the wheel")
+    return TreeIntegrityError(
+        "tree" if bazel else spec.env_var,
+        f"the {spec.arch} kernel tree at {check.root} holds importable file(s) no manifest lists: {named}{more}. "
+        f"A drop ships Python sources only, and these would run in their place: {fix}.",
+    )
+
+
+def _refuse_foreign_code(spec: TreeFacts, choice: "_Choice") -> None:
+    error = _foreign_code(spec, choice.check, choice.source == "bazel")
+    if error is not None:
+        raise error
 
 
 def _pin_text(pin: Optional[_Pin]) -> str:
@@ -275,7 +274,7 @@ def _where(root: str, rel: str) -> str:
     return path if real == path else f"{path} -> {real}"
 
 
-def _no_pin_error(spec: TreeSpec, argument: str) -> TreeIntegrityError:
+def _no_pin_error(spec: TreeFacts, argument: str) -> TreeIntegrityError:
     return TreeIntegrityError(
         argument,
         f"no pinned manifest of the {spec.arch} tree was found to check it against (looked for "
@@ -285,7 +284,10 @@ def _no_pin_error(spec: TreeSpec, argument: str) -> TreeIntegrityError:
     )
 
 
-def _bazel_integrity_error(spec: TreeSpec, check: _Check) -> TreeIntegrityError:
+def _bazel_integrity_error(spec: TreeFacts, check: _Check) -> TreeIntegrityError:
+    foreign = _foreign_code(spec, check, True)
+    if foreign is not None:
+        return foreign
     first = (check.diff.changed + check.diff.added + check.diff.removed)[:1]
     where = f" (first: {_where(check.root, first[0])})" if first else ""
     return TreeIntegrityError(
@@ -298,7 +300,10 @@ def _bazel_integrity_error(spec: TreeSpec, check: _Check) -> TreeIntegrityError:
     )
 
 
-def _env_integrity_error(spec: TreeSpec, check: _Check, bazel_root: Optional[str]) -> TreeIntegrityError:
+def _env_integrity_error(spec: TreeFacts, check: _Check, bazel_root: Optional[str]) -> TreeIntegrityError:
+    foreign = _foreign_code(spec, check, False)
+    if foreign is not None:
+        return foreign
     version = check.pin.version if check.pin else "the pinned version"
     under_bazel = (
         f" Under Bazel the variable is not needed (the pinned tree is in the runfiles: {bazel_root}); unset it "
@@ -308,7 +313,7 @@ def _env_integrity_error(spec: TreeSpec, check: _Check, bazel_root: Optional[str
         spec.env_var,
         f"{spec.env_var}={check.root} does not match {_pin_text(check.pin)}: {check.diff.counts()} file(s): "
         f"{check.diff.describe()}. A tree named by {spec.env_var} must be a clean extraction of the pinned drop: "
-        f"point it at the {spec.wheel_subdir} directory of flashinfer-python=={version}, or declare this tree "
+        f"point it at the {spec.wheel_prefix} directory of flashinfer-python=={version}, or declare this tree "
         f"unpinned with {UNPINNED_ENV}={spec.arch} (or =1): it then loads with a warning on every rank, recorded in "
         f"the logs (tree_provenance).{under_bazel}",
     )
@@ -327,7 +332,7 @@ class _Choice:
     note: str = ""
 
 
-def _choose(spec: TreeSpec) -> _Choice:
+def _choose(spec: TreeFacts) -> _Choice:
     bazel = _bazel_roots(spec)
     env = _env_root(spec)
     if env is not None and any(env == b for b in bazel):
@@ -338,7 +343,7 @@ def _choose(spec: TreeSpec) -> _Choice:
         raise TreeNotFoundError(
             spec.env_var,
             f"the {spec.arch} kernel tree was not found (looked in: {', '.join(tried)}). Under Bazel depend on "
-            f"//shim/{spec.arch}; elsewhere set {spec.env_var} to the drop's src/ root ({spec.wheel_subdir} of the "
+            f"//shim/{spec.arch}; elsewhere set {spec.env_var} to the drop's src/ root ({spec.wheel_prefix} of the "
             "flashinfer-python wheel).",
         )
 
@@ -383,7 +388,10 @@ def locate(arch: str) -> str:
         raise TreeNotFoundError("arch", f"arch must be one of {sorted(TREES)}, got {arch!r}")
     if _active is not None and _active[0] == arch:
         return _active[1]
-    return _choose(TREES[arch]).root
+    spec = TREES[arch]
+    choice = _choose(spec)
+    _refuse_foreign_code(spec, choice)
+    return choice.root
 
 
 # ------------------------------------------------------------------------------------------ the guards
@@ -410,13 +418,25 @@ def _foreign(module, root: str) -> Optional[str]:
     return f"from {bad[0]}" if bad else None
 
 
+def _copy_of_a_drop_package(name: str) -> bool:
+    """`name` is a drop package (or inside one) imported under a longer name, e.g. FlashInfer's
+    flashinfer.moe_ep.kernel_src.sm90....src.moe_hopper_fp8: a second copy of kernel code."""
+    return "moe_" in name and any(part in _DROP_PACKAGES for part in name.split(".")[1:])
+
+
 def _loaded_elsewhere(root: str) -> List[str]:
-    """Kernel modules (any name under a kernel top-level name) already imported from outside `root`."""
+    """Kernel modules already imported from outside `root`: any name under a kernel top-level name, and any drop
+    package imported under another name."""
     bad = []
     for name, mod in list(sys.modules.items()):
-        if mod is None or name.partition(".")[0] not in KERNEL_NAMES:
+        if mod is None:
             continue
-        why = _foreign(mod, root)
+        if name.partition(".")[0] in KERNEL_NAMES:
+            why = _foreign(mod, root)
+        elif _copy_of_a_drop_package(name):
+            why = _foreign(mod, root) or "a drop package under another name"
+        else:
+            continue
         if why:
             bad.append(f"{name} ({why})")
     return sorted(bad)
@@ -445,7 +465,14 @@ class _KernelImportGuard(importlib.abc.MetaPathFinder):
     inside the verified root. Other names are left to the rest of the import system."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if _active is None or fullname.partition(".")[0] not in KERNEL_NAMES:
+        if _active is None:
+            return None
+        if fullname.partition(".")[0] not in KERNEL_NAMES:
+            if _copy_of_a_drop_package(fullname):
+                raise TreeConflictError(
+                    "tree", f"import of {fullname}: a drop package under another name, i.e. a second copy of the "
+                            f"kernels next to the verified {_active[0]} tree {_active[1]} (FlashInfer's own kernel_src "
+                            "trees are one): one process loads kernel code from one root; run it in another process")
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None:
@@ -478,7 +505,7 @@ def _rank_prefix() -> str:
     return ""
 
 
-def _warn_unpinned(spec: TreeSpec, choice: _Choice) -> None:
+def _warn_unpinned(spec: TreeFacts, choice: _Choice) -> None:
     check = choice.check
     what = (f"does not match {_pin_text(check.pin)} ({check.diff.counts()}: {check.diff.describe(4)})"
             if check.pin else "could not be checked (no pinned manifest found)")
@@ -514,6 +541,7 @@ def activate(arch: str) -> str:
 
     spec = TREES[arch]
     choice = _choose(spec)
+    _refuse_foreign_code(spec, choice)
     root = choice.root
     clash = _loaded_elsewhere(root)
     if clash:
@@ -534,17 +562,30 @@ def activate(arch: str) -> str:
             "only, and one process holds one tree",
         )
 
-    # One root on sys.path: drop every other copy of a kernel tree (the other Bazel runfiles layout, the tree
-    # the choice set aside, any directory holding drop packages), keep entries inside the root.
+    # One root on sys.path. Other layouts of the same files (the other Bazel runfiles layout of this repository,
+    # a link to the root, the tree the choice set aside) are dropped from it; any other directory that provides a
+    # drop package is a second copy of the kernels, refused: whichever came first on sys.path would serve.
     set_aside = {_abs(p) for p in choice.set_aside}
-    keep = []
+    real_root = os.path.realpath(root)
+    keep, copies = [], []
     for entry in sys.path:
         if entry and not _under(entry, root):
             a = _abs(entry)
-            if (a in set_aside or os.path.basename(a) == spec.repo_name
-                    or any(os.path.isdir(os.path.join(a, n)) for n in _DROP_PACKAGES)):
+            if a in set_aside or os.path.basename(a) == spec.repo_name or os.path.realpath(a) == real_root:
                 continue
+            provided = [n for n in sorted(_DROP_PACKAGES) if os.path.isdir(os.path.join(a, n))
+                        or os.path.isfile(os.path.join(a, n + ".py"))]
+            if provided:
+                copies.append(f"{entry} (provides {', '.join(provided)})")
         keep.append(entry)
+    if copies:
+        raise TreeConflictError(
+            "tree",
+            f"a second copy of the kernel packages is on sys.path next to the verified {arch} tree {root}: "
+            f"{'; '.join(copies)}. Whichever comes first would serve, unchecked. Remove it from PYTHONPATH / "
+            "sys.path (an installed package of those names: uninstall it; FlashInfer's own moe_ep puts its "
+            "kernel_src trees there when imported: run it in another process).",
+        )
     if not any(e and _abs(e) == root for e in keep):
         keep.insert(0, root)
     sys.path[:] = keep

@@ -38,7 +38,6 @@ from typing import Dict, List, Optional
 
 __all__ = [
     "ADDED_FILES",
-    "TREES",
     "ManifestDiff",
     "compute_manifest",
     "diff_manifest",
@@ -53,9 +52,21 @@ ADDED_FILES = frozenset({"BUILD.bazel", "WORKSPACE", "carrier.json", "pinned.man
 _COMPILED_DIRS = frozenset({"__pycache__"})
 _COMPILED_SUFFIXES = (".pyc", ".pyo")
 
-TREES = {"sm90": "cutedsl_megamoe_sm90", "sm100": "cutedsl_megamoe_sm100"}
-
 _HERE = Path(__file__).resolve().parent
+
+
+def _repos() -> Dict[str, str]:
+    """{arch: Bazel repository}, from the tree facts' one home. Imported only when asked: drop_repo.bzl runs this
+    file at fetch time with the base python and no checkout on sys.path (--tree-root / --against need no facts)."""
+    from shim.common.tree_facts import TREES as facts
+
+    return {arch: t.repo_name for arch, t in facts.items()}
+
+
+def __getattr__(name: str):  # `manifest.TREES`, computed on first use (see _repos)
+    if name == "TREES":
+        return _repos()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _sha256(path: Path) -> str:
@@ -170,7 +181,7 @@ def _runfiles_roots() -> List[Path]:
 
 def bazel_tree_root(tree: str) -> Path:
     """The extracted tree inside this binary's / test's runfiles."""
-    repo = TREES[tree]
+    repo = _repos()[tree]
     for root in _runfiles_roots():
         cand = root / repo
         if (cand / "carrier.json").exists():
@@ -180,7 +191,7 @@ def bazel_tree_root(tree: str) -> Path:
 
 def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trees", nargs="*", metavar="TREE", help=f"one of {sorted(TREES)} (default: all)")
+    ap.add_argument("trees", nargs="*", metavar="TREE", help="sm90 or sm100 (default: both)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="rewrite <tree>.manifest.json in the workspace")
     mode.add_argument("--check", action="store_true", help="compare against the committed manifest")
@@ -199,10 +210,11 @@ def _main(argv=None) -> int:
         sys.stdout.write(dumps(compute_manifest(args.tree_root)))
         return 0
 
-    trees = args.trees or list(TREES)
-    unknown = [t for t in trees if t not in TREES]
+    repos = _repos()
+    trees = args.trees or list(repos)
+    unknown = [t for t in trees if t not in repos]
     if unknown:
-        ap.error(f"unknown tree(s) {unknown}; choose from {sorted(TREES)}")
+        ap.error(f"unknown tree(s) {unknown}; choose from {sorted(repos)}")
     workspace = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
     status = 0
     for tree in trees:
@@ -216,7 +228,7 @@ def _main(argv=None) -> int:
         elif args.check:
             committed = load_manifest(manifest_path(tree, workspace))
             diff = diff_manifest(committed, current)
-            print(diff.describe(f"@{TREES[tree]}"))
+            print(diff.describe(f"@{repos[tree]}"))
             status |= int(bool(diff))
         else:
             sys.stdout.write(dumps(current))

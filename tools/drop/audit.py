@@ -8,8 +8,15 @@ Sections, each row carrying a status:
   signatures  __init__ / __call__ of the contracted kernel classes vs the contract, each
               change judged by the shim lines that pass the parameter
   calls       the shim's argument sites vs the new drop's signatures (names it does not take,
-              required parameters nobody passes): a cross-check of the contract
+              required parameters nobody passes): a cross-check of the contract; and every shim
+              call of a drop function bound against its signature (tools/drop/drop_uses.py)
+  reads       attributes the shim reads on drop objects (a heuristic's config fields) vs the
+              new drop's classes (tools/drop/drop_uses.py)
   knobs       the tuner's knob names and values vs what the new drop accepts
+  build       (tools/drop/build_stage.py, when run) the shim's knob resolution at every token
+              bucket and its kernel compiles, run against the new tree in a child process: the
+              ground truth the static sections predict; a static break of the imports,
+              signatures, calls or reads sections whose backends all build is a warning
 
 Statuses: break (the shim would fail against this drop), warn (binds, but may behave
 differently, or the contract is stale: a human must look), note (informational), unchecked
@@ -30,18 +37,19 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from tools.drop import contract as contract_mod
+from tools.drop import drop_uses
 from tools.drop import knobs as knobs_mod
 from tools.drop.callsites import ArgSite, Backend, Pair, ShimModel
 from tools.drop.inventory import Inventory, PackageDiff, diff_inventories, is_compiled, package_renames
 from tools.drop.shim_scan import ImportRow, knob_key_lines, knob_space, lazy_tables, scan_imports
 from tools.drop.source_model import DropIndex, SymbolResolution
-from tools.drop.trees import KERNEL_TOP_LEVEL, Tree
+from shim.common.tree_facts import KERNEL_NAMES, TreeFacts
 
 __all__ = ["AuditResult", "Finding", "KnobRow", "run_audit", "STATUS_ORDER", "EXIT_OK", "EXIT_ALL_BREAK",
            "EXIT_USAGE", "EXIT_SOME_BREAK"]
 
 STATUS_ORDER = {"break": 0, "warn": 1, "note": 2, "unchecked": 3, "ok": 4}
-SECTION_ORDER = {"tree": 0, "files": 1, "imports": 2, "signatures": 3, "calls": 4, "knobs": 5}
+SECTION_ORDER = {"tree": 0, "files": 1, "imports": 2, "signatures": 3, "calls": 4, "reads": 5, "knobs": 6, "build": 7}
 
 # The exit codes of `tools/drop audit` / `bump` (also in cli.py's docstring and the README).
 EXIT_OK = 0  # compatible: no break
@@ -84,6 +92,7 @@ class AuditResult:
     knob_file: Optional[str]
     backends: List[Backend] = dataclasses.field(default_factory=list)
     location: Optional[dict] = None  # {"prefix", "expected", "moved"} when the tree came from a wheel
+    build: Optional[object] = None  # tools/drop/build_stage.BuildReport once the build stage has run
 
     def count(self, status: str) -> int:
         return sum(1 for f in self.findings if f.status == status)
@@ -105,6 +114,21 @@ class AuditResult:
     def unattributed_breaks(self) -> List[Finding]:
         return [f for f in self.findings if f.status == "break" and not f.pairs]
 
+    def grouped_breaks(self) -> List[Tuple[List[str], Finding]]:
+        """Breaks with the same cause, lines and backends as one (a subclass repeats its base's): what the verdict
+        counts, per backend and in all."""
+        groups: Dict[tuple, Tuple[List[str], Finding]] = {}
+        for f in self.findings:
+            if f.status != "break":
+                continue
+            tail = f.subject.split(".", 1)[1] if f.section == "signatures" and "." in f.subject else ""
+            key = (f.section, tail, f.detail, f.sites, f.pairs)
+            if key in groups:
+                groups[key][0].append(f.subject)
+            else:
+                groups[key] = ([f.subject], f)
+        return list(groups.values())
+
     def exit_code(self) -> int:
         if not self.breaks:
             return EXIT_OK
@@ -117,7 +141,10 @@ class AuditResult:
         unchecked = self.count("unchecked")
         tail = f" ({unchecked} unchecked: nothing in the drop's source decides them)" if unchecked else ""
         if self.breaks:
-            counts = f"{self.count('break')} break, {self.count('warn')} warn, {self.count('note')} note{tail}"
+            groups = self.grouped_breaks()
+            nobody = sum(1 for _, f in groups if not f.pairs)
+            unrun = f" ({nobody} of them in code no registered backend runs)" if nobody else ""
+            counts = (f"{len(groups)} break{unrun}, {self.count('warn')} warn, {self.count('note')} note{tail}")
             every = self.all_pairs()
             if not every:
                 return f"SHIM WOULD BREAK (no backend of this tree registered): {counts}"
@@ -240,7 +267,7 @@ class _Impact:
 
 def run_audit(
     repo_root: Path,
-    tree: Tree,
+    tree: TreeFacts,
     new_root: Path,
     old_inventory: Inventory,
     new_inventory: Inventory,
@@ -251,12 +278,12 @@ def run_audit(
 ) -> AuditResult:
     repo_root = Path(repo_root)
     index = DropIndex(new_root)
-    kernel_names = set(KERNEL_TOP_LEVEL) | set(index.top_level_packages())
+    kernel_names = set(KERNEL_NAMES) | set(index.top_level_packages())
     findings: List[Finding] = []
 
     # -- tree ------------------------------------------------------------
     if location and location.get("moved"):
-        findings.append(Finding("tree", "note", tree.name,
+        findings.append(Finding("tree", "note", tree.arch,
                                 f"tree moved inside the wheel: {location['expected']} -> {location['prefix']} "
                                 "(found by content; the bump pins the new prefix)"))
 
@@ -286,12 +313,12 @@ def run_audit(
             for rel in d.changed:
                 findings.append(Finding("files", "note", rel, "file changed"))
 
-    model = ShimModel(repo_root, tree.name, kernel_names, drop_module_exists=index.module_exists)
-    rows = scan_imports(repo_root, tree.name, kernel_names)
+    model = ShimModel(repo_root, tree.arch, kernel_names, drop_module_exists=index.module_exists)
+    rows = scan_imports(repo_root, tree.arch, kernel_names)
     impact = _Impact(model, index, rows, contract)
 
     # -- imports ---------------------------------------------------------
-    shim_found = (repo_root / "shim" / tree.name).is_dir()
+    shim_found = (repo_root / "shim" / tree.arch).is_dir()
     import_rows: List[Tuple[ImportRow, SymbolResolution]] = []
     for row in rows:
         res = index.resolve_symbol(row.module, row.name)
@@ -311,13 +338,13 @@ def run_audit(
             findings.append(Finding("imports", "unchecked", f"{row.file}:{row.lineno} {subject}", res.detail))
 
     # -- signatures ------------------------------------------------------
-    lazy = lazy_tables(repo_root, tree.name, kernel_names)
+    lazy = lazy_tables(repo_root, tree.arch, kernel_names)
     current = contract_mod.kernel_classes(index, lazy)
     signatures: Dict[str, Dict[str, List[contract_mod.ParamChange]]] = {}
     recorded = (contract or {}).get("classes", {})
     if contract is None and current:
         findings.append(
-            Finding("signatures", "warn", tree.name, "no contract recorded: review, then bump --accept-contract")
+            Finding("signatures", "warn", tree.arch, "no contract recorded: review, then bump --accept-contract")
         )
     reported: set = set()  # (class, method, param) already judged from the contract diff
     for name, entry in sorted(recorded.items()):
@@ -339,7 +366,8 @@ def run_audit(
             params = {p.name for p in old_params} | {p.name for p in sig.params}
             sites = impact.arg_sites(name, entry["module"], method, params, users)
             changes = contract_mod.diff_params(old_params, sig.params, positional_callers=(method == "__call__"))
-            judged = [_judge_change(c, name, method, sites, impact, users) for c in changes]
+            old_positional = [p.name for p in old_params if p.kind in ("positional_only", "positional_or_keyword")]
+            judged = [_judge_change(c, name, method, sites, impact, users, old_positional) for c in changes]
             signatures[name][method] = [c for c, _ in judged]
             for c, finding in judged:
                 findings.append(finding)
@@ -355,8 +383,15 @@ def run_audit(
                 Finding("signatures", "warn", name, "built by the shim but not in the contract: review, then bump --accept-contract")
             )
 
+    # -- calls into drop functions, reads of drop objects -------------------
+    for section, problems in (("calls", drop_uses.call_problems(model, index)),
+                              ("reads", drop_uses.attribute_problems(model, index))):
+        for p in problems:
+            findings.append(Finding(section, "break", p.subject, p.detail, (p.site.where,),
+                                    tuple(sorted(model.hits(p.site)))))
+
     # -- knobs -----------------------------------------------------------
-    knob_file, space = knob_space(repo_root, tree.name)
+    knob_file, space = knob_space(repo_root, tree.arch)
     key_lines = knob_key_lines(repo_root, knob_file) if knob_file else {}
     knob_rows: List[KnobRow] = []
     table_only: List[Tuple[str, str, str]] = []
@@ -413,10 +448,15 @@ def run_audit(
             if table is not None:
                 for v in sorted(table[0] - offered, key=repr):
                     table_only.append((cls_key, knob, repr(v)))
+                    findings.append(Finding(
+                        "knobs", "warn", f"{cls_key}.{knob}={v!r}",
+                        f"the drop's heuristic tables ({', '.join(table[1])}) use it and the knob space does not "
+                        "offer it: a capacity whose bucket picks it fails knob validation (the build stage resolves "
+                        "every bucket)", where(knob), tuple(sorted(users))))
 
     findings.sort(key=lambda f: (STATUS_ORDER[f.status], SECTION_ORDER[f.section], f.subject))
     return AuditResult(
-        tree=tree.name,
+        tree=tree.arch,
         old_label=old_label,
         new_label=new_label,
         package_diffs=diffs,
@@ -436,8 +476,14 @@ def _lines_passing(sites: List[ArgSite], name: str, stores: List[ArgSite]) -> Li
     return [a for a in sites if name in a.names] + stores
 
 
+def _positional_over(sites: List[ArgSite], names: List[str], old_positional: List[str]) -> List[ArgSite]:
+    """The call sites whose positional arguments reach one of `names` (by its place in the old signature)."""
+    first = min((old_positional.index(n) for n in names if n in old_positional), default=len(old_positional))
+    return [a for a in sites if a.positional > first]
+
+
 def _judge_change(c: contract_mod.ParamChange, cls: str, method: str, sites: List[ArgSite], impact: _Impact,
-                  users: frozenset) -> Tuple[contract_mod.ParamChange, Finding]:
+                  users: frozenset, old_positional: List[str] = ()) -> Tuple[contract_mod.ParamChange, Finding]:
     """The contract diff's change, judged by what the shim actually passes."""
     subject = f"{cls}.{method}({c.param})"
     name = c.param
@@ -464,10 +510,13 @@ def _judge_change(c: contract_mod.ParamChange, cls: str, method: str, sites: Lis
             passing = sites
             detail += "; no shim line passes it"
     elif c.change == "moved" and c.status == "break":
-        passing = sites
+        passing = _positional_over(sites, c.param.split(","), old_positional)
         if not sites:
             status = "warn"
             detail += "; the shim never calls it"
+        elif not passing:
+            status = "note"
+            detail += "; every shim call site passes them by keyword"
     else:
         for n in name.split(","):
             passing += _lines_passing(sites, n, impact.stores(n, users))

@@ -170,6 +170,7 @@ class ArgSite:
     class_key: Optional[str]  # the class named by the key this dict sits under
     kind: str  # call | dict | store
     builder: bool = False  # a dict literal, dict(...) or .update(...): arguments being collected
+    unpacked: bool = False  # a call with *args or **kwargs: what it passes is not all in `names` / `positional`
 
     def tied_by_overlap(self, params) -> bool:
         """Names mostly parameters of a method: two or more (one suffices for a builder), two thirds in."""
@@ -283,6 +284,28 @@ def _guard(test: ast.expr, known: FrozenSet[str]) -> Optional[Tuple[FrozenSet[st
         if isinstance(op, (ast.NotEq, ast.NotIn)):
             return frozenset(values), False
     return None
+
+
+def _ends(body: Sequence[ast.stmt]) -> bool:
+    return bool(body) and isinstance(body[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
+
+
+def after_if(stmt: ast.If, formats: Formats, known: FrozenSet[str]) -> Formats:
+    """The formats the statements after a format-guarded `if` run for: a branch that always leaves (return, raise)
+    takes its formats out."""
+    g = _guard(stmt.test, known)
+    if g is None:
+        return formats
+    values, positive = g
+    on = _restrict(formats, values if positive else known - values)
+    off = _restrict(formats, known - values if positive else values)
+    if _ends(stmt.body) and _ends(stmt.orelse):
+        return frozenset()
+    if _ends(stmt.body):
+        return off
+    if _ends(stmt.orelse):
+        return on
+    return formats
 
 
 class ShimModel:
@@ -628,10 +651,14 @@ class _Visitor:
                 values, positive = g
                 on = _restrict(formats, values if positive else known - values)
                 off = _restrict(formats, known - values if positive else values)
-            for s in body:
-                self.visit_node(s, on)
-            for s in orelse:
-                self.visit_node(s, off)
+            if body and isinstance(body[0], ast.stmt):
+                self.visit_block(body, on)
+                self.visit_block(orelse, off)
+            else:
+                for s in body:
+                    self.visit_node(s, on)
+                for s in orelse:
+                    self.visit_node(s, off)
             return
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             self._visit_import(node, formats)
@@ -657,8 +684,21 @@ class _Visitor:
             ref = self.resolve_name(node.id)
             if ref is not None:
                 self.note_ref(ref, node, formats)
-        for child in ast.iter_child_nodes(node):
-            self.visit_node(child, formats)
+        for _, value in ast.iter_fields(node):
+            values = value if isinstance(value, list) else [value]
+            if values and isinstance(values[0], ast.stmt):
+                self.visit_block(values, formats)
+            else:
+                for child in values:
+                    if isinstance(child, ast.AST):
+                        self.visit_node(child, formats)
+
+    def visit_block(self, stmts: Sequence[ast.stmt], formats: Formats) -> None:
+        """Statements in order: after `if <format test>: ... return` the rest runs for the other formats only."""
+        for stmt in stmts:
+            self.visit_node(stmt, formats)
+            if isinstance(stmt, ast.If):
+                formats = after_if(stmt, formats, self.m.known_formats)
 
     def _visit_import(self, node: ast.stmt, formats: Formats) -> None:
         site = self.site(node, formats)
@@ -689,18 +729,17 @@ class _Visitor:
             if isinstance(target, str) and self.m.is_kernel(target):
                 self.facts.uses.append(KernelUse(target, None, self.site(node, formats), "dynamic"))
         names = [k.arg for k in node.keywords if k.arg]
-        if not names and not node.args:
-            return
         callee_ref = self.resolve_expr(func)
         if callee_ref is not None and callee_ref[0] in ("unit", "var", "module"):
             return  # a call into the repository's own code, not a kernel call
         callee = (callee_ref[1], callee_ref[2]) if callee_ref is not None and callee_ref[0] == "kernel" else None
         if callee is None and not names:
-            return
+            return  # (a kernel callee is kept even with no arguments: a new required parameter breaks that call)
         lines = tuple(getattr(k, "lineno", node.lineno) for k in node.keywords if k.arg)
         builder = callee is None and fname in ("dict", "update")
+        unpacked = any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords)
         self.facts.args.append(ArgSite(self.site(node, formats), tuple(names), lines, len(node.args), callee, None,
-                                       "call", builder))
+                                       "call", builder, unpacked))
 
     def _visit_dict(self, node: ast.Dict, formats: Formats, class_key: Optional[str]) -> None:
         keys = [_literal(k) if k is not None else None for k in node.keys]

@@ -148,9 +148,11 @@ def diff_params(old: Sequence[Param], new: Sequence[Param], positional_callers: 
             changes.append(ParamChange("annotation", "note", name, f"{o.annotation} -> {n.annotation}"))
 
     # Positional binding. Constructors are called by keyword (the shim's
-    # convention), so order there only matters as a warning; a launch goes
+    # convention), so order there only matters as a warning; a launch may go
     # through cute.compile / the compiled callable with positional arguments,
-    # so any shift of a shared positional parameter breaks it silently.
+    # where any shift of a shared positional parameter binds it wrongly. The
+    # audit judges this against the shim's call sites: a shift no site passes
+    # positionally is harmless (tools/drop/audit.py, _judge_change).
     rename_map = {a.name: r.name for r, a in renamed}
     old_pos = [p.name for p in old if p.kind in _POSITIONAL]
     new_pos = [rename_map.get(p.name, p.name) for p in new if p.kind in _POSITIONAL]

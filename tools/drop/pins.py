@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Optional, Tuple
 
-from tools.drop.trees import Tree
+from shim.common.tree_facts import TreeFacts
 
 __all__ = ["PinError", "workspace_bzl", "read_pins", "read_pins_file", "read_strip_prefix", "rewrite_pins"]
 
@@ -27,11 +27,11 @@ def workspace_bzl(repo_root: Path) -> Path:
     return Path(repo_root) / "third_party" / "cutedsl_megamoe" / "workspace.bzl"
 
 
-def _pattern(tree: Tree, key: str) -> "re.Pattern[str]":
+def _pattern(tree: TreeFacts, key: str) -> "re.Pattern[str]":
     return re.compile(rf'^(?P<head>{tree.pin_prefix}_{key}\s*=\s*)"(?P<value>[^"]*)"', re.MULTILINE)
 
 
-def read_pins(text: str, tree: Tree) -> Tuple[str, str]:
+def read_pins(text: str, tree: TreeFacts) -> Tuple[str, str]:
     values = []
     for key in ("VERSION", "SHA256"):
         matches = _pattern(tree, key).findall(text)
@@ -43,7 +43,7 @@ def read_pins(text: str, tree: Tree) -> Tuple[str, str]:
     return values[0], values[1]
 
 
-def read_pins_file(repo_root: Path, tree: Tree) -> Optional[Tuple[str, str]]:
+def read_pins_file(repo_root: Path, tree: TreeFacts) -> Optional[Tuple[str, str]]:
     path = workspace_bzl(repo_root)
     if not path.is_file():
         return None
@@ -53,7 +53,7 @@ def read_pins_file(repo_root: Path, tree: Tree) -> Optional[Tuple[str, str]]:
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 
 
-def read_strip_prefix(text: str, tree: Tree) -> Optional[str]:
+def read_strip_prefix(text: str, tree: TreeFacts) -> Optional[str]:
     """The pinned sub-path of the tree in the wheel, or None when workspace.bzl has no such line."""
     matches = _pattern(tree, "STRIP_PREFIX").findall(text)
     if len(matches) > 1:
@@ -61,7 +61,7 @@ def read_strip_prefix(text: str, tree: Tree) -> Optional[str]:
     return matches[0][1] if matches else None
 
 
-def rewrite_pins(text: str, tree: Tree, version: str, sha256: str, strip_prefix: Optional[str] = None) -> str:
+def rewrite_pins(text: str, tree: TreeFacts, version: str, sha256: str, strip_prefix: Optional[str] = None) -> str:
     """The pin lines rewritten; `strip_prefix` (a moved tree) needs the STRIP_PREFIX line to exist."""
     if not _SHA.match(sha256):
         raise PinError(f"not a sha256 hex digest: {sha256!r}")

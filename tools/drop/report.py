@@ -42,18 +42,7 @@ def _short(text: str, width: int) -> str:
 
 
 def _grouped_breaks(result: AuditResult) -> List[Tuple[List[str], Finding]]:
-    """Breaks with the same cause, lines and backends in one row (a subclass repeats its base's)."""
-    groups: Dict[tuple, Tuple[List[str], Finding]] = {}
-    for f in result.findings:
-        if f.status != "break":
-            continue
-        tail = f.subject.split(".", 1)[1] if f.section == "signatures" and "." in f.subject else ""
-        key = (f.section, tail, f.detail, f.sites, f.pairs)
-        if key in groups:
-            groups[key][0].append(f.subject)
-        else:
-            groups[key] = ([f.subject], f)
-    return list(groups.values())
+    return result.grouped_breaks()
 
 
 def _backend_rows(result: AuditResult) -> List[List[str]]:
@@ -67,6 +56,24 @@ def _backend_rows(result: AuditResult) -> List[List[str]]:
         hit = [fmt for fmt in b.formats if (b.name, fmt) in broken]
         verdict = "ok" if not hit else ("BREAK" if len(hit) == len(b.formats) else f"BREAK ({', '.join(hit)})")
         rows.append([b.name, ", ".join(b.formats), verdict, str(per.get(b.name, 0))])
+    return rows
+
+
+_BUILD_HEADERS = ("backend", "format", "static", "resolve", "compile", "verdict")
+
+
+def _build_rows(result: AuditResult) -> List[List[str]]:
+    """One row per (backend, format) once the build stage ran: what the sources say, what resolving the knobs at
+    every token bucket and compiling did, and the verdict of both."""
+    report = result.build
+    rows = []
+    groups = [f for _, f in result.grouped_breaks() if f.section != "build"]
+    for pair in result.all_pairs():
+        n_break = sum(1 for f in groups if pair in f.pairs)
+        n_warn = sum(1 for f in result.findings if f.section != "build" and pair in f.pairs and f.status == "warn")
+        cell = f"BREAK {n_break}" if n_break else (f"warn {n_warn}" if n_warn else "ok")
+        resolve, compile_ = report.summary(pair) if pair in report.pairs else ("-", "-")
+        rows.append([pair[0], pair[1], cell, resolve, compile_, "BREAK" if pair in result.broken_pairs() else "ok"])
     return rows
 
 
@@ -100,7 +107,17 @@ def render_summary(result: AuditResult, markdown: bool = False) -> str:
         out.append(tree_line)
     out.append("")
     backend_rows = _backend_rows(result)
-    if backend_rows:
+    if backend_rows and result.build is not None:
+        out += [table(_BUILD_HEADERS, _build_rows(result)), ""]
+        jobs = result.build.outcomes
+        line = (f"build stage: {sum(not o.job.compile for o in jobs)} knob resolutions, "
+                f"{sum(o.job.compile for o in jobs)} compiles")
+        seconds, cpu = result.build.compile_seconds(), result.build.compile_seconds(cpu=True)
+        if not markdown and seconds:  # the report stays the same from run to run
+            line += (f" in {result.build.wall_s:.0f} s on {result.build.compile_jobs} child process(es); compiles "
+                     f"{min(seconds):.1f}-{max(seconds):.1f} s each (CPU {min(cpu):.1f}-{max(cpu):.1f} s)")
+        out += [line, ""]
+    elif backend_rows:
         out += [table(("backend", "formats", "verdict", "breaks"), backend_rows), ""]
     else:
         out += ["(no backend of this tree in the registry)", ""]

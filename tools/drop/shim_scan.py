@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from tools.drop.trees import KERNEL_TOP_LEVEL
+from shim.common.tree_facts import KERNEL_NAMES
 
 __all__ = ["ImportRow", "shim_files", "scan_imports", "lazy_tables", "knob_space", "knob_key_lines"]
 
@@ -86,7 +86,7 @@ def _lazy_entries(tree: ast.Module, path: Path) -> List[Tuple[str, str, str, int
     return out
 
 
-def scan_imports(repo_root: Path, arch: str, kernel_names: Iterable[str] = KERNEL_TOP_LEVEL) -> List[ImportRow]:
+def scan_imports(repo_root: Path, arch: str, kernel_names: Iterable[str] = KERNEL_NAMES) -> List[ImportRow]:
     kernel_names = set(kernel_names)
     rows: List[ImportRow] = []
     for path in shim_files(repo_root, arch):
@@ -119,7 +119,7 @@ def _is_import_module_call(node: ast.Call) -> bool:
     return False
 
 
-def lazy_tables(repo_root: Path, arch: str, kernel_names: Iterable[str] = KERNEL_TOP_LEVEL) -> Dict[str, Tuple[str, str]]:
+def lazy_tables(repo_root: Path, arch: str, kernel_names: Iterable[str] = KERNEL_NAMES) -> Dict[str, Tuple[str, str]]:
     """{export: (kernel module, attr)} over every `_LAZY` table in shim/<arch>/ (kernel entries only)."""
     kernel_names = set(kernel_names)
     out: Dict[str, Tuple[str, str]] = {}

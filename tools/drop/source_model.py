@@ -360,6 +360,17 @@ class DropIndex:
                     return res.module, binding.node
         return None
 
+    def find_function(self, module: str, name: str) -> Optional[Tuple[str, ast.FunctionDef]]:
+        """The module-level function `module.name` resolves to (following re-exports), or None."""
+        res = self.resolve_symbol(module, name)
+        if res.status != "ok" or res.kind != "function":
+            return None
+        for bindings in self.bindings(res.module).values():
+            for binding in bindings:
+                if binding.kind == "function" and binding.lineno == res.lineno:
+                    return res.module, binding.node
+        return None
+
     def base_classes(self, module: str, cls: ast.ClassDef) -> List[Tuple[str, Optional[Tuple[str, ast.ClassDef]]]]:
         """(source text, resolved (module, ClassDef) or None when outside the drop) per base."""
         out = []

@@ -346,12 +346,108 @@ def test_each_tree_is_hashed_once_per_process(fresh, tmp_path, monkeypatch):
     root = _write(tmp_path / "one" / "src")
     monkeypatch.setenv(ENV, str(root))
     calls = []
-    real = integrity.tree_digests
-    monkeypatch.setattr(integrity, "tree_digests", lambda r: calls.append(r) or real(r))
+    real = integrity.scan_tree
+    monkeypatch.setattr(integrity, "scan_tree", lambda r: calls.append(r) or real(r))
     tree.locate("sm90")
     tree.activate("sm90")
     tree.activate("sm90")
     assert calls == [str(root)]
+
+
+# ------------------------------------------------------------------- importable files no manifest lists (#26)
+
+
+@pytest.mark.parametrize("rel, why", [
+    ("moe_hopper_fp8/planted.pyc", "byte code without its source"),  # a sourceless module, imported as is
+    ("common/megamoe_constants.pyc", "byte code without its source"),  # beside a source: still never the drop's
+    ("moe_hopper_fp8/heuristic_config.cpython-311-x86_64-linux-gnu.so", "a shared object"),  # shadows the .py
+])
+@pytest.mark.parametrize("unpinned", [False, True])
+def test_byte_code_and_native_code_in_a_tree_are_refused(fresh, tmp_path, monkeypatch, rel, why, unpinned):
+    root = _write(tmp_path / "extracted" / "src")
+    (root / rel).write_bytes(b"\x00code nobody can read")
+    monkeypatch.setenv(ENV, str(root))
+    if unpinned:  # an unpinned tree opts in to edited sources, not to this
+        monkeypatch.setenv("MOE_EP_UNPINNED_TREE", "sm90")
+    with pytest.raises(TreeIntegrityError) as e:
+        tree.activate("sm90")
+    assert e.value.argument == ENV and rel in str(e.value) and why in str(e.value)
+    assert "re-extract" in str(e.value) and tree.active_tree() is None
+    with pytest.raises(TreeIntegrityError):
+        tree.locate("sm90")
+
+
+def test_a_package_directory_no_manifest_file_sits_in_is_refused(fresh, tmp_path, monkeypatch):
+    root = _write(tmp_path / "extracted" / "src")
+    (root / "moe_extra" / "data").mkdir(parents=True)  # importable as a namespace package
+    monkeypatch.setenv(ENV, str(root))
+    with pytest.raises(TreeIntegrityError, match=r"added: moe_extra/, moe_extra/data/"):
+        tree.activate("sm90")
+
+
+def test_byte_code_caches_of_the_sources_are_not_strays(fresh, tmp_path, monkeypatch):
+    root = _write(tmp_path / "extracted" / "src")
+    (root / "common" / "__pycache__").mkdir()
+    (root / "common" / "__pycache__" / "megamoe_constants.cpython-311.pyc").write_bytes(b"cache")
+    monkeypatch.setenv(ENV, str(root))
+    assert tree.activate("sm90") == str(root)
+
+
+def test_a_second_copy_of_the_kernel_packages_on_sys_path_is_refused(fresh, tmp_path, monkeypatch):
+    root = _write(tmp_path / "extracted" / "src")
+    other = _write(tmp_path / "site-packages", {"moe_hopper_fp8/__init__.py": "", "moe_hopper_fp8/x.py": "X = 2\n"})
+    sys.path.append(str(other))
+    monkeypatch.setenv(ENV, str(root))
+    with pytest.raises(TreeConflictError) as e:
+        tree.activate("sm90")
+    assert f"{other} (provides moe_hopper_fp8)" in str(e.value) and "PYTHONPATH" in str(e.value)
+
+
+def test_a_link_to_the_root_on_sys_path_is_the_same_tree(fresh, tmp_path, monkeypatch):
+    root = _write(tmp_path / "extracted" / "src")
+    link = tmp_path / "link"
+    link.symlink_to(root)
+    sys.path.append(str(link))
+    monkeypatch.setenv(ENV, str(root))
+    assert tree.activate("sm90") == str(root) and str(link) not in sys.path
+
+
+def _flashinfer_copy(tmp_path: Path) -> Path:
+    """FlashInfer's layout: the drop's packages inside its own package, importable under a long dotted name."""
+    base = tmp_path / "site"
+    files = {"flashinfer/__init__.py": "", "flashinfer/kernel_src/__init__.py": "",
+             "flashinfer/kernel_src/src/moe_hopper_fp8/__init__.py": "",
+             "flashinfer/kernel_src/src/moe_hopper_fp8/heuristic_config.py": "HEURISTIC_CONFIGS = {'copy': 1}\n"}
+    _write(base, files)
+    sys.path.append(str(base))
+    return base
+
+
+def test_a_drop_package_imported_under_another_name_before_activation_is_refused(fresh, tmp_path, monkeypatch):
+    root = _write(tmp_path / "extracted" / "src")
+    _flashinfer_copy(tmp_path)
+    import flashinfer.kernel_src.src.moe_hopper_fp8.heuristic_config  # noqa: F401
+    try:
+        monkeypatch.setenv(ENV, str(root))
+        with pytest.raises(TreeConflictError, match="flashinfer.kernel_src.src.moe_hopper_fp8.heuristic_config"):
+            tree.activate("sm90")
+    finally:
+        for name in [n for n in sys.modules if n.startswith("flashinfer")]:
+            del sys.modules[name]
+
+
+def test_a_drop_package_imported_under_another_name_after_activation_is_refused(fresh, tmp_path, monkeypatch):
+    root = _write(tmp_path / "extracted" / "src")
+    monkeypatch.setenv(ENV, str(root))
+    tree.activate("sm90")
+    _flashinfer_copy(tmp_path)
+    try:
+        with pytest.raises(TreeConflictError, match="a drop package under another name"):
+            import flashinfer.kernel_src.src.moe_hopper_fp8.heuristic_config  # noqa: F401
+        import flashinfer.kernel_src  # noqa: F401  (the rest of the package is no kernel code)
+    finally:
+        for name in [n for n in sys.modules if n.startswith("flashinfer")]:
+            del sys.modules[name]
 
 
 if __name__ == "__main__":

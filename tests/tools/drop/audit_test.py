@@ -15,7 +15,7 @@ from tools.drop.inventory import inventory_of_tree
 from tools.drop.report import render_markdown, render_summary, render_terminal
 from tools.drop.shim_scan import lazy_tables
 from tools.drop.source_model import DropIndex, Param
-from tools.drop.trees import TREES
+from shim.common.tree_facts import TREES
 
 SM90 = TREES["sm90"]
 FP8 = ("sm90_fp8", "fp8_block")
@@ -213,6 +213,30 @@ def test_stray_compiled_files_are_reported(world, tmp_path):
          "compiled file in the tree, not part of the drop (delete it; the drop is consumed verbatim)"),
     ]
     assert not result.clean
+
+
+def test_a_new_required_parameter_of_a_drop_function_breaks_its_callers(world, tmp_path):
+    # The select_heuristic_config case: no class signature changes, every FP8 layer fails with a TypeError.
+    result = audit_of_edits(world, tmp_path, ("moe_hopper_fp8/heuristic_config.py",
+                                              "def select_heuristic_config(tokens)", "def select_heuristic_config(tokens, ranks)"))
+    assert [(f.section, f.subject, f.detail, f.sites, f.pairs) for f in result.findings if f.status == "break"] == [
+        ("calls", "moe_hopper_fp8.heuristic_config.select_heuristic_config()",
+         "requires ranks, which the shim does not pass (moe_hopper_fp8.heuristic_config:25)",
+         ("shim/sm90/knobs.py:23",), (FP8,))]
+    assert result.exit_code() == EXIT_SOME_BREAK
+
+
+def test_a_renamed_field_the_shim_reads_breaks_only_where_it_is_read(world, tmp_path):
+    result = audit_of_edits(world, tmp_path, ("moe_hopper_fp8/heuristic_config.py",
+                                              "    cluster_shape_mnk: Tuple[int, int, int]\n",
+                                              "    cluster_shape: Tuple[int, int, int]\n"),
+                            ("moe_hopper_fp8/heuristic_config.py", "tile, cluster_shape_mnk=cga", "tile, cluster_shape=cga"))
+    got = [(f.section, f.subject, f.detail, f.sites, f.pairs) for f in result.findings
+           if f.status == "break" and f.section == "reads"]
+    assert got == [("reads", "moe_hopper_fp8.heuristic_config.TileConfig.cluster_shape_mnk",
+                    "the shim reads .cluster_shape_mnk of a TileConfig, which has no such attribute in this drop "
+                    "(moe_hopper_fp8.heuristic_config:9); did you mean cluster_shape?",
+                    ("shim/sm90/knobs.py:24",), (FP8,))]
 
 
 def test_knob_value_no_longer_accepted(world, tmp_path):

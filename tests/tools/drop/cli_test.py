@@ -16,7 +16,7 @@ from tools.drop import cli, fetch
 from tools.drop.fetch import HashMismatch, locate_tree, sha256_file
 from tools.drop.pins import PinError, read_pins, read_strip_prefix, rewrite_pins
 from tools.drop.transaction import Transaction
-from tools.drop.trees import TREES
+from shim.common.tree_facts import TREES
 
 SM90 = TREES["sm90"]
 SHA_A = "a" * 64
@@ -24,13 +24,16 @@ SHA_B = "b" * 64
 PREFIX = synthetic.WHEEL_PREFIX_SM90
 MOVED = "flashinfer/moe_ep/kernel_src/hopper/cutedsl_megamoe/src"
 KERNEL = "moe_hopper_fp8/megamoe_kernel_fp8.py"
+# The synthetic shim is source only (it raises on import): the build stage, which runs the shim against the tree,
+# has its own test on the real shim and tree (build_stage_test).
+STATIC = "--static-only"
 
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch):
     # Nothing from the environment may point the tool at a real tree or cache.
     for var in ("MOE_EP_SM90_TREE", "MOE_EP_SM100_TREE", "MOE_EP_DROP_CACHE", "BUILD_WORKSPACE_DIRECTORY",
-                "BUILD_WORKING_DIRECTORY", "RUNFILES_DIR", "TEST_SRCDIR"):
+                "BUILD_WORKING_DIRECTORY", "RUNFILES_DIR", "TEST_SRCDIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -87,7 +90,7 @@ def repo_and_drops(tmp_path):
 
 def test_audit_exit_codes(repo_and_drops, tmp_path, capsys):
     repo, old, new = repo_and_drops
-    args = ["--repo", str(repo), "audit", "--tree", "sm90", "--tree-root", str(new), "--against", str(old)]
+    args = ["--repo", str(repo), "audit", "--tree", "sm90", "--tree-root", str(new), "--against", str(old), STATIC]
     assert cli.main(args) == 0
     assert not (repo / "docs").exists()  # an audit only shows, unless --report PATH
     shutil.rmtree(new / "moe_hopper_bf16")
@@ -153,11 +156,12 @@ def bump_world(tmp_path):
 
 
 def run(repo: Path, cache: Path, *args: str) -> int:
-    return cli.main(["--repo", str(repo), "--cache-dir", str(cache), *args])
+    static = [STATIC] if args and args[0] in ("audit", "bump") else []
+    return cli.main(["--repo", str(repo), "--cache-dir", str(cache), *args, *static])
 
 
 def bump(repo, cache, version, *extra):
-    return run(repo, cache, "bump", "--tree", "sm90", "--version", version, *extra)
+    return run(repo, cache, "bump", "--tree", "sm90", *(["--version", version] if version else []), *extra)
 
 
 def without_bf16(files):
@@ -241,6 +245,30 @@ def test_accept_only_once_the_shim_fits(bump_world, capsys):
     # After acceptance the pinned drop audits clean against its own manifest, and the docs are fresh.
     assert run(repo, cache, "audit", "--tree", "sm90") == 0
     assert run(repo, cache, "docs", "--tree", "sm90", "--check") == 0
+
+
+def test_a_new_launch_parameter_is_accepted_once_the_shim_passes_it(bump_world, capsys):
+    # Upstream's fc1_c: a required __call__ parameter inserted mid-signature shifts every later one. The shim
+    # passes launch arguments by keyword, so the shift is harmless; the missing argument is not, until the shim
+    # passes it, and then the documented fix-then-accept steps finish.
+    repo, cache = bump_world
+    inserted = "activation, activation_sf, fc1_c, topk_idx"
+    w2 = wheel(cache, "2.0", drop_files(lambda f: f.update({KERNEL: f[KERNEL].replace(
+        "activation, activation_sf, topk_idx", inserted)})))
+    sha = sha256_file(w2)
+    capsys.readouterr()
+    assert bump(repo, cache, "2.0", "--sha256", sha) == 3
+    report = (repo / "docs" / "drop" / "audit-sm90-1.0-to-2.0.md").read_text()
+    assert "new required parameter fc1_c; no shim line passes it" in report
+    assert "positional index shifted: topk_idx" in report and "every shim call site passes them by keyword" in report
+    assert bump(repo, cache, "2.0", "--sha256", sha, "--accept-contract") == 3  # not before the shim is fixed
+    synthetic.edit(repo, "shim/sm90/fp8_frontend.py", "return dict(activation=x, activation_sf=self.scales)",
+                   "return dict(activation=x, activation_sf=self.scales, fc1_c=self.fc1_c)")
+    assert bump(repo, cache, "2.0", "--sha256", sha, "--accept-contract") == 0
+    accepted = json.loads((repo / "tools" / "drop" / "contracts" / "sm90.json").read_text())
+    call = [p["name"] for p in accepted["classes"]["Sm90MegaMoEFp8Kernel"]["methods"]["__call__"]["params"]]
+    assert call[:3] == ["activation", "activation_sf", "fc1_c"]
+    assert run(repo, cache, "audit", "--tree", "sm90") == 0
 
 
 def test_compatible_bump_rewrites_pin_manifest_docs_and_report_together(bump_world):
@@ -363,6 +391,97 @@ def test_audit_sees_strays_behind_bazel_runfiles_links(bump_world, tmp_path):
     # Not in the links (the BUILD globs leave __pycache__ out), but in the directory behind them.
     assert run(repo, cache, "audit", "--tree", "sm90", "--tree-root", str(links), "--report", str(tmp_path / "r.md")) == 0
     assert "src/__pycache__/sym_buffer.cpython-311.pyc | compiled file in the tree" in (tmp_path / "r.md").read_text()
+
+
+# ---- the cache, hand-overs, tree finding ------------------------------------------------------------
+
+
+def test_the_cache_lives_in_the_users_cache_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert fetch.default_cache_dir() == tmp_path / "home" / ".cache" / "megamoe-ep" / "drop"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert fetch.default_cache_dir() == tmp_path / "xdg" / "megamoe-ep" / "drop"
+    monkeypatch.setenv("MOE_EP_DROP_CACHE", str(tmp_path / "mine"))
+    assert fetch.default_cache_dir() == tmp_path / "mine"
+
+
+def test_a_run_leaves_nothing_in_its_working_directory(tmp_path, monkeypatch):
+    repo = synthetic.make_shim(tmp_path / "repo")
+    handed = wheel(tmp_path / "handover", "1.0", drop_files())
+    cwd = tmp_path / "somewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cli.main(["--repo", str(repo), "audit", "--tree", "sm90", "--wheel", str(handed), STATIC]) == 0
+    assert list(cwd.iterdir()) == []
+    assert fetch.cached_wheel("1.0", tmp_path / "xdg" / "megamoe-ep" / "drop") is not None
+
+
+def test_an_edited_cached_tree_is_put_right_before_use(bump_world, tmp_path, capsys):
+    repo, cache = bump_world
+    genuine = json.loads((repo / "third_party" / "cutedsl_megamoe" / "sm90.manifest.json").read_text())
+    cached = cache / "trees" / "1.0" / "sm90"
+    (cached / "common" / "megamoe_constants.py").write_text("SfPaddingBlock = 64\n")  # one edited byte string
+    (cached / "src" / "extra.py").write_text("X = 1\n")
+    out = tmp_path / "m.json"
+    capsys.readouterr()
+    assert run(repo, cache, "manifest", "--tree", "sm90", "--version", "1.0", "--sha256", genuine["carrier_sha256"],
+               "--out", str(out)) == 0
+    assert "differs from its wheel" in capsys.readouterr().err
+    assert json.loads(out.read_text()) == genuine
+    assert file_digests(cached) == genuine["files"]
+
+
+def test_bump_takes_a_handed_over_wheel(bump_world, tmp_path, capsys):
+    repo, cache = bump_world
+    handed = wheel(tmp_path / "handover", "2.0", drop_files(lambda f: f.update({"moe_hopper_fp8/extra.py": "X = 1\n"})))
+    sha = sha256_file(handed)
+    before = synthetic.snapshot(repo)
+    # Any other announced hash: refused, nothing written, nothing cached.
+    assert bump(repo, cache, None, "--wheel", str(handed), "--sha256", SHA_B) == 2
+    assert synthetic.snapshot(repo) == before and fetch.cached_wheel("2.0", cache) is None
+    # The file's version must be the one named.
+    assert run(repo, cache, "bump", "--tree", "sm90", "--version", "3.0", "--wheel", str(handed)) == 2
+    assert run(repo, cache, "bump", "--tree", "sm90", "--wheel", str(handed.parent), "--sha256", sha) == 0
+    bzl = (repo / "third_party" / "cutedsl_megamoe" / "workspace.bzl").read_text()
+    assert read_pins(bzl, SM90) == ("2.0", sha)
+    assert sha256_file(fetch.cached_wheel("2.0", cache)) == sha  # later runs find it without pip
+
+
+def test_audit_finds_the_tree_inside_a_handed_over_directory(bump_world, tmp_path):
+    repo, cache = bump_world
+    unpacked = synthetic.write_tree(tmp_path / "unpacked", {f"{MOVED}/{rel}": text for rel, text in drop_files().items()})
+    synthetic.write_tree(unpacked, {f"flashinfer/moe_ep/kernel_src/other/src/{rel}": "# other\n" for rel in synthetic.BASE_DROP})
+    report = tmp_path / "r.md"
+    assert run(repo, cache, "audit", "--tree", "sm90", "--tree-root", str(unpacked), "--report", str(report)) == 0
+    assert "CLEAN" in report.read_text()
+
+
+def test_a_sibling_fork_does_not_pass_for_the_tree(tmp_path):
+    # The real 0.7.0.post1 case: the tree one revision older (paths kept, bytes changed) at a new path, and a fork
+    # of today's tree for another GPU beside it, most of its files byte-identical to today's reference.
+    reference = {rel: fetch.hashlib.sha256(text.encode()).hexdigest() for rel, text in synthetic.BASE_DROP.items()}
+    fork = {f"flashinfer/moe_ep/kernel_src/sm120/fork/src/{rel}": text
+            for rel, text in synthetic.sibling_fork(synthetic.BASE_DROP).items()}
+    w = synthetic.make_wheel(tmp_path / "w.whl", MOVED, synthetic.older(synthetic.BASE_DROP), fork)
+    loc = locate_tree(w, SM90, reference, PREFIX)
+    assert (loc.prefix, loc.how) == (MOVED + "/", "by content")
+    assert loc.runner_up[0] == "flashinfer/moe_ep/kernel_src/sm120/fork/src/"
+
+
+def test_suggested_commands_repeat_the_options_used(bump_world, tmp_path, capsys):
+    repo, cache = bump_world
+    w2 = wheel(cache, "2.0", drop_files(without_bf16), MOVED)
+    sha = sha256_file(w2)
+    capsys.readouterr()
+    assert bump(repo, cache, "2.0", "--sha256", sha, "--strip-prefix", MOVED) == 3
+    err = capsys.readouterr().err
+    lines = [line.split("bazel run //tools:drop -- ", 1)[1] for line in err.splitlines() if "bazel run //tools:drop" in line]
+    assert len(lines) == 2
+    for line in lines:
+        assert f"--strip-prefix {MOVED}" in line and f"--cache-dir {cache}" in line and f"--repo {repo}" in line
+    # The suggested check runs as printed and sees the same breaking drop.
+    assert cli.main(lines[0].split() + [STATIC]) == 3
 
 
 if __name__ == "__main__":

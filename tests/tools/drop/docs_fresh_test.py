@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tools.drop.cli import default_cache_dir, render_docs_for
+from tools.drop.cli import render_docs_for
+from tools.drop.fetch import default_cache_dir
 from tools.drop.docs import REFRESH_COMMAND, docs_path
-from tools.drop.trees import TREES, find_repo_root
+from shim.common.tree_facts import TREES
+from tools.drop.trees import find_repo_root
 
 
 def _trees():
@@ -33,7 +35,7 @@ def test_committed_docs_are_fresh(tree_name):
     tree = TREES[tree_name]
     path = docs_path(repo, tree)
     rel = path.relative_to(repo)
-    expected = render_docs_for(repo, tree, default_cache_dir(repo))
+    expected = render_docs_for(repo, tree, default_cache_dir())
     assert path.is_file(), f"{rel} is missing; generate it with `{REFRESH_COMMAND}`"
     committed = path.read_text(encoding="utf-8")
     if committed != expected:

@@ -44,8 +44,7 @@ def _repo(tmp_path: Path, files: dict) -> Path:
         "shim/common/tree.py": "import sys, os\nsys.path.insert(0, os.environ['MOE_EP_SM90_TREE'])\nfrom src import bootstrap\n",
         "moe_ep/__init__.py": "",
         "moe_ep/core/__init__.py": "from . import registry\n",
-        "moe_ep/core/registry.py": "import importlib\n",
-        "moe_ep/backends/sm90_fp8.py": "def load():\n    from shim.sm90 import kernel_symbols\n",
+        "moe_ep/core/registry.py": "import importlib\nTARGET = 'shim.sm90.backend:Sm90Fp8Backend'\n",
         "tests/t_test.py": "import moe_ep\n",
     }
     base.update({k: textwrap.dedent(v) for k, v in files.items()})
@@ -72,12 +71,16 @@ def test_synthetic_baseline_is_clean(tmp_path):
          [("tools/x.py", 2, "kernel-import")]),
         ({"tools/y.py": "import sys\nsys.path.insert(0, '/x/kernel_src/sm90/pull_style_cutedsl_megakernel/src')\n"},
          [("tools/y.py", 2, "kernel-path")]),
-        # moe_ep/core must not import the shim, even lazily
+        # moe_ep, the ground floor, imports neither shim nor tools, even lazily (#26: moe_ep/testing did)
         ({"moe_ep/core/plan.py": "def f():\n    import shim.sm90.knobs\n"},
-         [("moe_ep/core/plan.py", 2, "core-imports-shim")]),
+         [("moe_ep/core/plan.py", 2, "moe_ep-imports-upper")]),
+        ({"moe_ep/testing/helpers.py": "def f():\n    from shim.sm90 import knobs\n"},
+         [("moe_ep/testing/helpers.py", 2, "moe_ep-imports-upper")]),
+        ({"moe_ep/reference/x.py": "from tools.launch import launcher\n"},
+         [("moe_ep/reference/x.py", 1, "moe_ep-imports-upper")]),
         # one module, both trees
-        ({"moe_ep/backends/both.py": "from shim.sm90 import knobs\nfrom shim.sm100 import knobs as k2\n"},
-         [("moe_ep/backends/both.py", 1, "both-trees")]),
+        ({"tools/both.py": "from shim.sm90 import knobs\nfrom shim.sm100 import knobs as k2\n"},
+         [("tools/both.py", 1, "both-trees")]),
         # the sm90 shim reaching the Blackwell tree
         ({"shim/sm90/bad.py": "from moe_mxfp8_glu import kernel_mxfp8_glu_fc12\n"},
          [("shim/sm90/bad.py", 1, "cross-tree")]),
@@ -106,7 +109,7 @@ def test_strings_and_similar_names_are_not_imports(tmp_path):
 ISSUE_14_BYPASSES = [
     ({"moe_ep/backends/x.py": "import importlib\n"
                               "k = importlib.import_module('moe_hopper' + '_fp8.megamoe_kernel_fp8')\n"},
-     [("moe_ep/backends/x.py", 2, "computed-import")]),
+     [("moe_ep/backends/x.py", 2, "kernel-import")]),  # the concatenation folded: the kernel module it names
     ({"moe_ep/backends/y.py": "import os, sys\n"
                               "sys.path[:0] = [os.path.join(os.environ['TREE'], 'moe_hopper_fp8')]\n"
                               "import megamoe_kernel_fp8\n"},
@@ -124,7 +127,7 @@ def test_issue_14_bypasses_fail_the_check(tmp_path, files, expected):
     [
         # computed module names, in each form
         ("import importlib\nm = importlib.import_module(f'moe_{kind}_fp8')\n", "computed-import"),
-        ("name = 'src.bootstrap'\nm = __import__(name)\n", "computed-import"),
+        ("name = input()\nm = __import__(name)\n", "computed-import"),
         ("from importlib import import_module\nm = import_module('%s.x' % pkg)\n", "computed-import"),
         ("import importlib.util\nok = importlib.util.find_spec(pkg + '.heuristic_config')\n", "computed-import"),
         ("import runpy\nrunpy.run_module(name)\n", "computed-import"),
@@ -169,6 +172,42 @@ def test_each_bypass_form_is_reported(tmp_path, source, rule):
     found = _found(_repo(tmp_path, {"moe_ep/core/x.py": source}))
     assert [r for _, _, r in found] == [rule], found
     assert found[0][0] == "moe_ep/core/x.py"
+
+
+# The forms #26 found passing: a kernel package name built from pieces, an importer under another name, and a
+# dispatcher fed a kernel name from its own file.
+ISSUE_26_BYPASSES = [
+    ("register_backend('x', 'moe_hopper' + '_fp8.megamoe_kernel_fp8:K', arch='sm90')\n", "kernel-target"),
+    ("K = 'megamoe_kernel_fp8'\nregister_backend('x', f'moe_hopper_fp8.{K}:Kernel', arch='sm90')\n", "kernel-target"),
+    ("register_backend('x', ':'.join(['moe_hopper_fp8.megamoe_kernel_fp8', 'K']), arch='sm90')\n", "kernel-target"),
+    ("register_backend('x', '%s.megamoe_kernel_fp8:K' % 'moe_hopper_fp8', arch='sm90')\n", "kernel-target"),
+    ("import importlib\nPKG = 'moe_' + 'hopper_fp8'\nm = importlib.import_module(PKG + '.megamoe_kernel_fp8')\n",
+     "kernel-import"),
+    ("from importlib import import_module as im\nm = im('moe_hopper_fp8.megamoe_kernel_fp8')\n", "kernel-import"),
+    ("from importlib import import_module as im\nm = im(name)\n", "computed-import"),
+    ("import importlib\nload = importlib.import_module\nm = load('moe_hopper_fp8')\n", "kernel-import"),
+    ("imp = __import__\nm = imp('moe_' + 'hopper_fp8')\n", "kernel-import"),
+    ("import importlib\nm = getattr(importlib, 'import_module')('src.bootstrap')\n", "kernel-import"),
+    ("import builtins\nm = builtins.__dict__['__import__']('moe_hopper_fp8')\n", "kernel-import"),
+    ("from importlib.util import spec_from_file_location as sf\ns = sf('k', path)\n", "computed-import"),
+]
+
+
+@pytest.mark.parametrize("source, rule", ISSUE_26_BYPASSES)
+def test_issue_26_bypasses_fail_the_check(tmp_path, source, rule):
+    found = _found(_repo(tmp_path, {"moe_ep/core/x.py": source}))
+    assert [r for _, _, r in found] == [rule], found
+
+
+def test_a_dispatcher_fed_a_kernel_name_from_its_own_file_fails_the_check(tmp_path):
+    # tests/foundation/python_env_test.py's `__import__(module)` is allow-listed by call site: what it imports is
+    # the parametrize list beside it.
+    source = ("import pytest\n\n@pytest.mark.parametrize('module', ['numpy', 'moe_' + 'hopper_fp8'])\n"
+              "def test_import(module):\n    __import__(module)\n")
+    found = _found(_repo(tmp_path, {"tests/foundation/python_env_test.py": source}))
+    assert found == [("tests/foundation/python_env_test.py", 3, "kernel-name")]
+    clean = source.replace("'moe_' + 'hopper_fp8'", "'cutlass'")
+    assert _found(_repo(tmp_path / "b", {"tests/foundation/python_env_test.py": clean})) == []
 
 
 @pytest.mark.parametrize(

@@ -18,12 +18,14 @@ import pytest
 
 from tools.drop import contract as contract_mod
 from tools.drop.audit import run_audit
-from tools.drop.cli import default_cache_dir, pinned_tree_root, real_tree_dir
+from tools.drop.cli import pinned_tree_root, real_tree_dir
+from tools.drop.fetch import default_cache_dir
 from tools.drop.inventory import inventory_of_tree, load_manifest_file
 from tools.drop.manifests import manifest_path
 from tools.drop.pins import read_pins_file
 from tools.drop.report import render_terminal
-from tools.drop.trees import TREES, find_repo_root
+from shim.common.tree_facts import TREES
+from tools.drop.trees import find_repo_root
 
 
 def _trees():
@@ -35,17 +37,17 @@ def _trees():
 def test_pinned_drop_audits_clean(tree_name):
     repo = find_repo_root(Path(__file__).resolve().parent)  # the live checkout (see BUILD)
     tree = TREES[tree_name]
-    root, _ = pinned_tree_root(repo, tree, default_cache_dir(repo))
+    root, _ = pinned_tree_root(repo, tree, default_cache_dir())
     version = read_pins_file(repo, tree)[0]
     manifest = manifest_path(repo, tree)
     assert manifest.is_file(), f"{manifest.relative_to(repo)} is missing"
     result = run_audit(
         repo, tree, root, load_manifest_file(manifest), inventory_of_tree(real_tree_dir(root)), f"{version} (manifest)", version,
-        contract_mod.load_contract(contract_mod.contract_path(repo, tree.name)),
+        contract_mod.load_contract(contract_mod.contract_path(repo, tree.arch)),
     )
     assert result.clean, (
-        f"the pinned {tree.name} drop does not audit clean; see below, fix shim/{tree.name} or accept the "
-        f"contract (bazel run //tools:drop -- bump --tree {tree.name} --version {version} --accept-contract)\n"
+        f"the pinned {tree.arch} drop does not audit clean; see below, fix shim/{tree.arch} or accept the "
+        f"contract (bazel run //tools:drop -- bump --tree {tree.arch} --version {version} --accept-contract)\n"
         + render_terminal(result)
     )
 

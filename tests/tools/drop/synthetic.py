@@ -55,7 +55,7 @@ BASE_DROP: Dict[str, str] = {
         }
 
 
-        def select_heuristic_config(tokens):
+        def select_heuristic_config(tokens) -> TileConfig:
             return TABLE[8 if tokens <= 8 else 4096]
         """
     ),
@@ -219,7 +219,8 @@ KNOBS = textwrap.dedent(
 
         if fmt == "bf16":
             return ks.select_bf16_config(tokens)
-        return ks.select_heuristic_config(tokens)
+        config = ks.select_heuristic_config(tokens)
+        return config.mma_tiler_mnk, config.cluster_shape_mnk
     """
 )
 
@@ -403,20 +404,100 @@ def make_shim(repo: Path) -> Path:
 
 
 def make_wheel(path: Path, prefix: str, files: Dict[str, str], extra: Dict[str, str] = None) -> Path:
-    """A carrier-shaped wheel: the tree's files under `prefix`, plus unrelated files (`extra`)."""
+    """A carrier-shaped wheel: the tree's files (text or bytes) under `prefix`, plus unrelated files (`extra`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     prefix = prefix.rstrip("/") + "/"
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr("flashinfer/__init__.py", "")
-        for rel, text in (extra or {}).items():
-            zf.writestr(rel, text)
-        for rel, text in files.items():
-            zf.writestr(prefix + rel, text)
+    entries = {"flashinfer/__init__.py": ""}
+    entries.update(extra or {})
+    entries.update({prefix + rel: text for rel, text in files.items()})
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name in sorted(entries):  # fixed order and time stamps: the same files give the same sha256
+            data = entries[name]
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0)),
+                        data.encode("utf-8") if isinstance(data, str) else data)
     return path
+
+
+def tree_files(root: Path) -> Dict[str, bytes]:
+    """Every file of an extracted tree (symlinks followed; byte-code caches and the repository rule's files left
+    out), for a wheel made from it."""
+    root = Path(root)
+    skip = {"BUILD.bazel", "WORKSPACE", "carrier.json", "pinned.manifest.json"}
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".pyo"))
+            and p.relative_to(root).as_posix() not in skip}
 
 
 def snapshot(root: Path) -> Dict[str, bytes]:
     """Every file under root (what a failed or breaking bump must leave as it was)."""
     root = Path(root)
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---- drops derived from a drop (deterministic: the same input gives the same bytes) --------------------
+
+
+def older(files: Dict[str, str]) -> Dict[str, str]:
+    """The same tree one version earlier: every file at its path, none byte-identical."""
+    return {rel: text + "# an earlier revision\n" for rel, text in files.items()}
+
+
+def sibling_fork(files: Dict[str, str], drop_package: str = "moe_hopper_bf16") -> Dict[str, str]:
+    """A tree forked from `files` for another GPU, as a wheel carries next to it (0.7.0.post1's sm120 tree beside
+    sm100): most files byte-identical, one package gone, a package of its own."""
+    out = {rel: text for rel, text in files.items() if not rel.startswith(drop_package + "/")}
+    out.update({"moe_fork_swapab/__init__.py": ""})
+    out.update({f"moe_fork_swapab/kernel_{i}.py": f"K = {i}\n" for i in range(4)})
+    return out
+
+
+# ---- drops derived from the pinned Hopper tree (0.7.4), the way a kernel team's next drop would differ ---------
+#
+# Each is a list of (file, text, replacement, count): the text must occur exactly `count` times, so an edit that no
+# longer applies to the pinned tree fails loudly instead of producing the pinned tree again. The copies are made in
+# a test's temporary directory; the pinned tree itself is only read.
+
+HEURISTIC = "moe_hopper_fp8/heuristic_config.py"
+FP8_KERNEL = "moe_hopper_fp8/megamoe_kernel_fp8.py"
+
+HOPPER_EDITS = {
+    # select_heuristic_config grows a required parameter: every FP8 layer fails with a TypeError.
+    "heuristic_needs_num_ranks": [
+        (HEURISTIC, "    scale_mode: str, tokens_per_rank: int\n) -> HopperFp8ConfigSelection:",
+         "    scale_mode: str, tokens_per_rank: int, num_ranks: int\n) -> HopperFp8ConfigSelection:", 1),
+    ],
+    # The config object's `pingpong` field is renamed (the drop's own uses follow): AttributeError in the shim.
+    "config_field_renamed": [
+        (HEURISTIC, "    swap_ab: bool\n    pingpong: bool\n", "    swap_ab: bool\n    ping_pong: bool\n", 1),
+        (HEURISTIC, "        pingpong=pingpong,\n", "        ping_pong=pingpong,\n", 1),
+        (HEURISTIC, "                pingpong=resolved_pingpong,\n", "                ping_pong=resolved_pingpong,\n", 1),
+    ],
+    # The blockwise 16-token bucket (capacities 9-16) picks a tile the shim's knob space does not offer.
+    "table_entry_outside_knob_space": [
+        (HEURISTIC, "16: _config(swap_ab=True, pingpong=False, tile=(256, 16, 128), cga=(1, 1, 1),",
+         "16: _config(swap_ab=True, pingpong=False, tile=(256, 48, 128), cga=(1, 1, 1),", 1),
+    ],
+    # The launch takes a new required tensor (as upstream's fc1_c did): the shim does not pass it, the compile fails.
+    "launch_parameter_inserted": [
+        (FP8_KERNEL, "        topk_weights: cute.Tensor,         # (T, num_topk) Float32\n",
+         "        topk_weights: cute.Tensor,         # (T, num_topk) Float32\n        routing_bias: cute.Tensor,\n", 1),
+    ],
+    # A comment: new bytes, nothing else.
+    "comment_only": [
+        (HEURISTIC, '"""Token-bucket launch heuristics for Hopper FP8 MegaMoE.',
+         '"""Token-bucket launch heuristics for Hopper FP8 MegaMoE (revised).', 1),
+    ],
+}
+
+
+def derive_drop(src: Path, dst: Path, edits) -> Path:
+    """A copy of the tree at `src` (symlinks followed, byte-code caches left out) with `edits` applied."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for rel, text, replacement, count in edits:
+        path = Path(dst) / rel
+        body = path.read_text(encoding="utf-8")
+        found = body.count(text)
+        assert found == count, f"{rel}: expected {count} occurrence(s) of {text!r}, found {found}"
+        path.write_text(body.replace(text, replacement), encoding="utf-8")
+    return Path(dst)

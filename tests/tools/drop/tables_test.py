@@ -41,12 +41,13 @@ def test_the_shipped_tables_of_this_checkout_match_the_pin():
     from pathlib import Path
 
     from tools.drop.pins import read_pins_file
-    from tools.drop.trees import TREES, find_repo_root
+    from shim.common.tree_facts import TREES
+    from tools.drop.trees import find_repo_root
 
     repo = find_repo_root(Path(__file__))
     for tree in TREES.values():
         version, sha = read_pins_file(repo, tree)
-        assert stale_entries(repo, tree.name, sha) == [], tree.name
+        assert stale_entries(repo, tree.arch, sha) == [], tree.arch
 
 
 if __name__ == "__main__":

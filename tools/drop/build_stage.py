@@ -1,0 +1,324 @@
+"""The audit's build stage: the shim resolves knobs and compiles kernels against the candidate tree, on the CPU.
+
+The static sections of the audit say what the sources suggest; this stage says what happens. For every registered
+backend of the tree and each of its formats, child processes (tools/drop/build_child.py; one tree per process: the
+trees share top-level package names) load the candidate tree and the checkout's shim and:
+
+  1. resolve knobs as a layer would (shim.common.backend.compile_only_frontend: the backend's rules, the drop's
+     heuristic, the kernel object built) at every capacity across the drop's token buckets, RESOLVE_CAPACITIES
+     (1, 8, 9, 16, 17, ..., 32768, 32769): milliseconds each, no compile;
+  2. resolve every shipped knob-table row of the arch (shim/<arch>/tables/*.json): its knobs at its capacity and
+     world size, on the small GEOMETRY below (a row's own model geometry would allocate gigabytes of host buffers
+     for what the knobs decide); a row measured on the audited drop is used at run time, one measured on another
+     drop is not (it reads as stale);
+  3. compile (cute.compile with CUTE_DSL_ARCH from the tree facts; 3-14 s each on an idle 2-core machine, up to
+     ~35 s on a loaded one) the heuristic's knobs at COMPILE_CAPACITIES (a small, a middle and a large bucket)
+     and, when asked (`--compile-tables`: a dozen more on sm90), each distinct table row in use.
+
+Verdict per (backend, format): a failure in 1 or 3, or in 2 for a row in use, is a BREAK naming the exception, the
+capacities, the shim line it was raised under and the drop line; a stale row that fails is a warning. A static break
+(imports, signatures, calls, reads) whose backends all resolve and compile here is downgraded to a warning that keeps
+its reason; static knob-space breaks stay breaks (the tuner may pick values the heuristic never does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from shim.common.tree_facts import TREES, TreeFacts
+from tools.drop.build_child import MARK
+
+__all__ = ["RESOLVE_CAPACITIES", "COMPILE_CAPACITIES", "GEOMETRY", "Job", "Outcome", "BuildReport", "plan_jobs",
+           "run_build", "apply_build"]
+
+RESOLVE_CAPACITIES: Tuple[int, ...] = (1,) + tuple(c for k in range(3, 16) for c in (1 << k, (1 << k) + 1))
+COMPILE_CAPACITIES: Tuple[int, ...] = (8, 256, 4096)
+# Small, valid for every backend of both trees (the compile tests' geometry); extents are symbolic in the program.
+GEOMETRY = {"hidden_size": 512, "intermediate_size": 256, "num_experts": 4, "top_k": 2}
+# Static sections whose breaks a successful build contradicts (knob-space findings are about values the build
+# did not try).
+BUILD_CHECKED_SECTIONS = ("imports", "signatures", "calls", "reads")
+
+Pair = Tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    id: int
+    backend: str
+    fmt: str
+    capacity: int
+    compile: bool
+    knobs: Optional[dict] = None  # explicit (a table row); None: the shim's resolution (the heuristic)
+    world_size: int = 1
+    source: str = "heuristic"  # or "table <key>"
+    in_use: bool = True  # False: a table row measured on another drop (never used with this one)
+
+    def as_plan(self) -> dict:
+        return {"id": self.id, "backend": self.backend, "fmt": self.fmt, "capacity": self.capacity,
+                "compile": self.compile, "knobs": self.knobs, "geometry": dict(GEOMETRY),
+                "world_size": self.world_size}
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    job: Job
+    ok: bool
+    stage: str  # resolve | compile
+    seconds: float
+    cpu_seconds: float = 0.0
+    knobs: Optional[dict] = None
+    error: str = ""
+    shim_site: Optional[str] = None
+    drop_site: Optional[str] = None
+
+
+@dataclasses.dataclass
+class BuildReport:
+    arch: str
+    pairs: List[Pair]
+    outcomes: List[Outcome]
+    wall_s: float
+    compile_jobs: int
+
+    def of(self, pair: Pair) -> List[Outcome]:
+        return [o for o in self.outcomes if (o.job.backend, o.job.fmt) == pair]
+
+    def builds(self, pair: Pair) -> bool:
+        """Every job of the pair that counts (not stale table rows) succeeded, and at least one compiled."""
+        mine = [o for o in self.of(pair) if o.job.in_use]
+        return bool(mine) and all(o.ok for o in mine) and any(o.job.compile for o in mine)
+
+    def compile_seconds(self, cpu: bool = False) -> List[float]:
+        return [o.cpu_seconds if cpu else o.seconds for o in self.outcomes if o.job.compile and o.ok]
+
+    def summary(self, pair: Pair) -> Tuple[str, str]:
+        """(resolve, compile) cells of the verdict table."""
+        mine = [o for o in self.of(pair) if o.job.in_use]
+        res = [o for o in mine if not o.job.compile]
+        com = [o for o in mine if o.job.compile]
+        bad_res = [o.job.capacity for o in res if not o.ok]
+        resolve = (f"ok ({len(res)})" if res and not bad_res else
+                   f"FAIL at {_ranges(bad_res)}" if bad_res else "-")
+        if not com:
+            return resolve, "-"
+        bad = [o for o in com if not o.ok]
+        if bad:
+            return resolve, f"FAIL ({len(bad)} of {len(com)})"
+        return resolve, f"ok ({len(com)}, {max(o.seconds for o in com):.0f} s max)"
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """Failing capacities as ranges of what a layer asks for: bucket b covers (previous bucket, b]."""
+    caps = sorted(set(values))
+    grid = sorted(set(RESOLVE_CAPACITIES) | set(caps))
+    out: List[str] = []
+    i = 0
+    while i < len(caps):
+        j = i
+        while j + 1 < len(caps) and grid.index(caps[j + 1]) == grid.index(caps[j]) + 1:
+            j += 1
+        out.append(str(caps[i]) if i == j else f"{caps[i]}-{caps[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+
+def _table_rows(repo: Path, arch: str) -> List[Tuple[str, dict, dict]]:
+    """(key, knobs, meta) of every shipped knob-table row of `arch`."""
+    folder = Path(repo) / "shim" / arch / "tables"
+    rows = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        for key, entry in sorted(json.loads(path.read_text()).get("entries", {}).items()):
+            rows.append((key, dict(entry.get("knobs", {})), dict(entry.get("meta", {}))))
+    return rows
+
+
+def _row_key(key: str) -> Optional[Tuple[str, int, int]]:
+    """(fmt, world size, capacity) from a table key arch/fmt/H../I../E../K../W../C../..."""
+    parts = key.split("/")
+    try:
+        fields = {p[0]: int(p[1:]) for p in parts[2:8]}
+        return parts[1], fields["W"], fields["C"]
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+def plan_jobs(repo: Path, arch: str, pairs: Sequence[Pair], *, compile_capacities: Sequence[int] = COMPILE_CAPACITIES,
+              drop_sha256: Optional[str] = None, compile: bool = True, compile_tables: bool = False,
+              resolve_capacities: Sequence[int] = RESOLVE_CAPACITIES, tables: bool = True) -> List[Job]:
+    """The jobs of one tree: resolves for every pair at `resolve_capacities` and for every table row, compiles of
+    the heuristic at `compile_capacities` (unless not `compile`) and, with `compile_tables`, of each distinct table
+    row in use."""
+    jobs: List[Job] = []
+
+    def add(**kw) -> None:
+        jobs.append(Job(id=len(jobs), **kw))
+
+    for backend, fmt in pairs:
+        for c in resolve_capacities:
+            add(backend=backend, fmt=fmt, capacity=c, compile=False)
+    compiled_rows = set()
+    for key, knobs, meta in _table_rows(repo, arch) if tables else ():
+        parsed = _row_key(key)
+        if parsed is None:
+            continue
+        fmt, world, capacity = parsed
+        sha = str(meta.get("drop_sha256") or key.rpartition("/drop=")[2])
+        in_use = bool(drop_sha256 and sha and drop_sha256.lower().startswith(sha.lower()[:16]))
+        program = (fmt, json.dumps(knobs, sort_keys=True))
+        for backend, f in pairs:
+            if f != fmt:
+                continue
+            build = compile and compile_tables and in_use and program not in compiled_rows
+            if build:
+                compiled_rows.add(program)
+            add(backend=backend, fmt=fmt, capacity=capacity, compile=build, knobs=knobs, world_size=world,
+                source=f"table {key}", in_use=in_use)
+    if compile:
+        for backend, fmt in pairs:
+            for c in compile_capacities:
+                add(backend=backend, fmt=fmt, capacity=c, compile=True)
+    return jobs
+
+
+# ---- running it --------------------------------------------------------------------------------
+
+
+def _child_env(tree: TreeFacts, tree_root: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    for other in TREES.values():
+        env.pop(other.env_var, None)
+    env[tree.env_var] = str(tree_root)
+    env["MOE_EP_UNPINNED_TREE"] = tree.arch  # a candidate drop matches no pin yet; the child says so on stderr
+    env["CUTE_DSL_ARCH"] = tree.cute_arch
+    env["MOE_EP_NO_KNOB_TABLES"] = "1"
+    return env
+
+
+def _split(jobs: List[Job], n: int) -> List[List[Job]]:
+    """Resolve jobs (milliseconds) in the first child; compiles dealt out so each child gets the same number."""
+    out: List[List[Job]] = [[] for _ in range(max(1, n))]
+    out[0] += [j for j in jobs if not j.compile]
+    for i, job in enumerate(j for j in jobs if j.compile):
+        out[i % len(out)].append(job)
+    return [chunk for chunk in out if chunk]
+
+
+def run_build(repo: Path, tree: TreeFacts, tree_root: Path, jobs: List[Job], *, compile_jobs: int = 1,
+              log: Callable[[str], None] = print, timeout_per_compile: float = 300.0) -> BuildReport:
+    """Runs the jobs in `compile_jobs` child processes against the tree at `tree_root` (the checkout `repo`'s
+    shim); a child that dies or overruns fails the jobs it had not reported, with the end of its stderr."""
+    t0 = time.perf_counter()
+    results: Dict[int, Outcome] = {}
+    chunks = _split(jobs, compile_jobs)
+    compiles = sum(1 for j in jobs if j.compile)
+    log(f"{tree.arch}: build stage: {len(jobs) - compiles} knob resolutions and {compiles} compiles in {len(chunks)} "
+        f"child process(es) against {tree_root}")
+    with tempfile.TemporaryDirectory(prefix="drop-build-") as tmp:
+        children = []
+        for n, chunk in enumerate(chunks):
+            plan = Path(tmp) / f"plan{n}.json"
+            plan.write_text(json.dumps({"tree_root": str(tree_root), "jobs": [j.as_plan() for j in chunk]}))
+            out, err = Path(tmp) / f"out{n}.txt", Path(tmp) / f"err{n}.txt"
+            with open(out, "w") as o, open(err, "w") as e:
+                proc = subprocess.Popen([sys.executable, "-m", "tools.drop.build_child", str(plan)], cwd=str(repo),
+                                        env=_child_env(tree, tree_root), stdout=o, stderr=e, start_new_session=True)
+            budget = 60 + timeout_per_compile * max(1, sum(j.compile for j in chunk))
+            children.append({"proc": proc, "jobs": {j.id: j for j in chunk}, "out": out, "err": err, "seen": 0,
+                             "deadline": time.monotonic() + budget, "killed": False})
+        while children:
+            time.sleep(0.2)
+            for child in list(children):
+                _collect(child, results, log)
+                proc = child["proc"]
+                if proc.poll() is None and time.monotonic() > child["deadline"]:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    child["killed"] = True
+                    proc.wait()
+                if proc.poll() is not None:
+                    _collect(child, results, log)
+                    tail = child["err"].read_text(errors="replace")[-1500:].strip()
+                    why = "ran out of time" if child["killed"] else f"exited with {proc.returncode}"
+                    for job in child["jobs"].values():
+                        if job.id not in results:
+                            results[job.id] = Outcome(job, False, "compile" if job.compile else "resolve", 0.0,
+                                                      error=f"the build child {why} before this job reported: {tail}")
+                    children.remove(child)
+    pairs = list(dict.fromkeys((j.backend, j.fmt) for j in jobs))
+    return BuildReport(tree.arch, pairs, [results[j.id] for j in jobs], time.perf_counter() - t0, len(chunks))
+
+
+def _collect(child: dict, results: Dict[int, Outcome], log: Callable[[str], None]) -> None:
+    """The child's complete result lines written since the last look."""
+    text = child["out"].read_text(errors="replace")
+    lines = text[child["seen"]:].split("\n")
+    done = lines[:-1]  # the last piece may be a line still being written
+    child["seen"] += sum(len(line) + 1 for line in done)
+    for line in done:
+        if not line.startswith(MARK):
+            continue
+        data = json.loads(line[len(MARK):])
+        job = child["jobs"][data.pop("id")]
+        results[job.id] = Outcome(job, **data)
+        if job.compile:
+            state = "ok" if data["ok"] else "FAILED: " + data["error"][:200]
+            log(f"  compile {job.backend} [{job.fmt}] capacity {job.capacity} ({job.source}): {state} "
+                f"({data['seconds']:.1f} s, CPU {data['cpu_seconds']:.1f} s)")
+
+
+# ---- what it means for the audit ----------------------------------------------------------------
+
+
+def build_findings(report: BuildReport):
+    """(status, subject, detail, sites, pairs) per distinct failure: resolve failures grouped over capacities."""
+    out = []
+    groups: Dict[tuple, List[Outcome]] = {}
+    for o in report.outcomes:
+        if not o.ok:
+            key = (o.job.backend, o.job.fmt, o.stage, o.job.knobs is not None, o.error, o.shim_site, o.drop_site,
+                   o.job.in_use)
+            groups.setdefault(key, []).append(o)
+    for (backend, fmt, stage, row, error, shim_site, drop_site, in_use), items in groups.items():
+        caps = _ranges([o.job.capacity for o in items])
+        what = "compile" if stage == "compile" else "knob resolution and kernel build"
+        subject = f"{backend} [{fmt}] {what} at capacity {caps}"
+        if row:
+            subject += f" ({len(items)} shipped table row(s){'' if in_use else ', measured on another drop'})"
+        detail = error + (f" (raised in the drop at {drop_site})" if drop_site else "")
+        if not in_use:
+            detail += "; those rows are not used with this drop: retune them"
+        out.append(("break" if in_use else "warn", subject, detail, (shim_site,) if shim_site else (),
+                    ((backend, fmt),)))
+    return out
+
+
+def apply_build(result, report: BuildReport) -> None:
+    """Adds the build's findings to an AuditResult and downgrades the static breaks it contradicts."""
+    from tools.drop.audit import STATUS_ORDER, SECTION_ORDER, Finding
+
+    findings = []
+    built = {p for p in report.pairs if report.builds(p)}
+    for f in result.findings:
+        if (f.status == "break" and f.section in BUILD_CHECKED_SECTIONS and f.pairs
+                and set(f.pairs) <= built):
+            names = ", ".join(sorted({b for b, _ in f.pairs}))
+            f = dataclasses.replace(f, status="warn", detail=f"{f.detail}; static check only: {names} resolve(s) and "
+                                                                  "compile(s) against this drop (see the build stage)")
+        findings.append(f)
+    for status, subject, detail, sites, pairs in build_findings(report):
+        findings.append(Finding("build", status, subject, detail, sites, pairs))
+    findings.sort(key=lambda f: (STATUS_ORDER[f.status], SECTION_ORDER[f.section], f.subject))
+    result.findings = findings
+    result.build = report
