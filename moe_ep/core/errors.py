@@ -18,6 +18,7 @@ __all__ = [
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
     "RankDivergenceError", "PeerLostError",
     "DeviceUnavailableError",
+    "ExpertMapError", "LoadCountsError",
 ]
 
 
@@ -190,3 +191,13 @@ class PeerLostError(ProcessGroupError):
         self.ranks = tuple(ranks)
         self.transport = transport
         super().__init__(argument, message)
+
+
+class ExpertMapError(MoEError, ValueError):
+    """An expert placement (moe_ep.ExpertMap) that cannot be used: a map of the wrong length, a logical expert left
+    without a slot, a replica pointing at a slot out of range or claimed twice, a map another layer size, or ranks
+    given different maps for one rearrangement. ``argument`` names the offending argument."""
+
+
+class LoadCountsError(MoEError, RuntimeError):
+    """load_counts() on a layer built without load counters (MoELayer(..., count_load=False))."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -13,6 +13,8 @@ from moe_ep.core.errors import DTypeError, FormatError, LayerClosedError, Watchd
 from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.core.validate import validate_forward, validate_spec_for_backend, validate_weights
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.eplb import ExpertMap, SlotRouter
+from moe_ep.eplb import placement as eplb_slots
 from moe_ep.formats import QuantizedWeights, check_format
 
 __all__ = ["MoELayer"]
@@ -30,6 +32,13 @@ class MoELayer(LayerGeometry):
     timeout_s: the watchdog's bound on one forward (seconds; 0 turns it off; default $MOE_EP_TIMEOUT_S, else
       10 s + 2 x the slowest call so far): a call that does not finish in time ends the process with one message
       naming the layer, the call and the peers that stopped (exit code moe_ep.WATCHDOG_EXIT_CODE; docs/watchdog.md).
+    expert_map: a moe_ep.ExpertMap placing spec.num_experts logical experts on expert_map.num_slots physical slots
+      (replicas; docs/eplb.md); `weights` then holds this rank's slots (num_experts = num_slots). None: the slots are
+      the experts.
+    id_space: what topk_idx holds when an expert_map is given: "logical" (the layer maps ids to slots on the device,
+      by the replica rule in moe_ep/eplb/router.py) or "physical" (slot ids, mapped by the caller).
+    count_load: count the (token, expert) pairs this rank routes to each slot, on the device (load_counts()); default
+      True with an expert_map, else False.
     backend_options: passed to the backend's constructor.
 
     Construction and every call are collective: all ranks of the group must take part.
@@ -37,7 +46,9 @@ class MoELayer(LayerGeometry):
 
     def __init__(self, spec: MoESpec, weights: ExpertWeights, backend: Optional[str] = None, *, group=None,
                  device=None, fmt: Optional[str] = None, check_values: bool = True, collective_checks: bool = True,
-                 name: Optional[str] = None, timeout_s: Optional[float] = None, **backend_options):
+                 name: Optional[str] = None, timeout_s: Optional[float] = None,
+                 expert_map: Optional[ExpertMap] = None, id_space: str = "logical", count_load: Optional[bool] = None,
+                 **backend_options):
         if not isinstance(spec, MoESpec):
             raise DTypeError("spec", f"expected moe_ep.MoESpec, got {type(spec).__name__}")
         ctx = RankContext.from_group(group, device)
@@ -46,6 +57,8 @@ class MoELayer(LayerGeometry):
         self.check_values = check_values
         self.collective_checks = collective_checks
         self._backend = None
+        self._eplb: Optional[SlotRouter] = None
+        self._swap_template = None
         self._watch = None
         self._watch_paused = False
         self.handle = op.register_layer(self)
@@ -64,15 +77,19 @@ class MoELayer(LayerGeometry):
             served = getattr(cls, "weight_formats", entry.formats)
             if f not in served:
                 raise FormatError("fmt", f"backend {entry.name!r} ({cls.__name__}) serves {list(served)}, not {f!r}")
-            validate_weights(spec, weights, ctx, f)
-            validate_spec_for_backend(spec, cls, f, ctx.world_size)
-            return entry, cls, f
+            slot_spec = eplb_slots.slot_spec(spec, ctx, expert_map, id_space, count_load)
+            validate_weights(slot_spec, weights, ctx, f)
+            validate_spec_for_backend(slot_spec, cls, f, ctx.world_size)
+            return entry, cls, f, slot_spec
 
-        (entry, cls, f), bound = run_agreed(ctx, lambda: (resolve(), watchdog.parse_timeout(timeout_s)),
-                                            "layer arguments")
+        (entry, cls, f, slot_spec), bound = run_agreed(ctx, lambda: (resolve(), watchdog.parse_timeout(timeout_s)),
+                                                       "layer arguments")
         self.backend_name = entry.name
         self.fmt = f
-        self._backend = cls(spec, ctx, fmt=f, **backend_options)
+        self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
+        self._calibration = {"act_amax": weights.act_amax, "fc2_act_amax": weights.fc2_act_amax}
+        self._eplb = eplb_slots.router(spec, slot_spec, ctx, expert_map, id_space, count_load)
+        self._backend = cls(slot_spec, ctx, fmt=f, **backend_options)
         self._backend.prepare_weights(weights)
         self.name, self._watch = watchdog.watch_layer(name, bound, ctx.group, ctx.device)
 
@@ -86,6 +103,25 @@ class MoELayer(LayerGeometry):
     @property
     def device(self) -> torch.device:
         return self.ctx.device
+
+    @property
+    def num_slots(self) -> int:
+        """Physical expert slots over all ranks (spec.num_experts without an expert_map)."""
+        return self.backend.spec.num_experts
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.ctx.world_size
+
+    @property
+    def expert_map(self) -> Optional[ExpertMap]:
+        """The placement the layer routes by now (None: built without one; slots are experts)."""
+        return None if self._eplb is None else self._eplb.expert_map
+
+    @property
+    def id_space(self) -> str:
+        """What topk_idx holds: "logical" (mapped by the layer, or no map at all) or "physical" (slot ids)."""
+        return "logical" if self._eplb is None or self._eplb.expert_map is None else self._eplb.id_space
 
     @property
     def watch(self):
@@ -142,17 +178,48 @@ class MoELayer(LayerGeometry):
 
     def _forward_unwatched(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        spec = self._route_spec
         if self.collective_checks:
-            t = run_agreed(self.ctx, lambda: validate_forward(self.spec, self.ctx, hidden, topk_idx, topk_weights,
+            t = run_agreed(self.ctx, lambda: validate_forward(spec, self.ctx, hidden, topk_idx, topk_weights,
                                                               out, self.check_values), "forward() inputs")
         else:
-            t = validate_forward(self.spec, self.ctx, hidden, topk_idx, topk_weights, out, self.check_values)
+            t = validate_forward(spec, self.ctx, hidden, topk_idx, topk_weights, out, self.check_values)
         if out is None:
             out = torch.empty((t, self.spec.hidden_size), dtype=torch.bfloat16, device=self.ctx.device)
+        if self._eplb is not None:
+            topk_idx = self._eplb.route(topk_idx)  # logical ids -> slots, pairs counted (docs/eplb.md)
         return self.backend.forward(hidden, topk_idx, topk_weights, out)
 
     def oracle_weights(self) -> QuantizedWeights:
         return self.backend.oracle_weights()
+
+    # -- load balancing (docs/eplb.md) ---------------------------------------------------------------------------
+    def load_counts(self, reset: bool = False, gather: bool = False) -> torch.Tensor:
+        """(token, expert) pairs this rank routed to each slot since the last reset: int64 [num_slots] on the layer's
+        device (no host sync). reset: zero the counters after reading, in stream order. gather: summed over all
+        ranks, i.e. the pairs each slot received (one all_reduce; collective)."""
+        if self._eplb is None:
+            return eplb_slots.no_counters()
+        return self._eplb.load_counts(self.ctx, reset, gather)
+
+    def replace_experts(self, slots, weights) -> List[int]:
+        """Collective: write new weights over this rank's local slots `slots` (ints in [0, slots_per_rank); may be
+        empty on some ranks), in place; the map is unchanged (a weight update). weights: (w13 [n, 2I, H], w2 [n, H, I])
+        bf16, quantized as the load quantizes, or a moe_ep.QuantizedWeights of this layer's fmt, written as it is.
+        Checked on every rank before anything changes. Returns the slots written."""
+        from moe_ep.eplb import swap
+
+        return swap.replace_experts(self, slots, weights)
+
+    def rearrange(self, expert_map: ExpertMap, weights=None) -> List[int]:
+        """Collective: install `expert_map` (the same on every rank; same size as the current one) and give every
+        slot whose logical expert changes its new expert: `weights` for this rank's changed slots in increasing slot
+        order (as in replace_experts), or None to copy the quantized bytes from slots that hold that expert now (one
+        all_to_all). Kernel tensors and the device map are written in place: captured graphs stay valid and read
+        the new placement. Returns this rank's rewritten local slots."""
+        from moe_ep.eplb import swap
+
+        return swap.rearrange(self, expert_map, weights)
 
     def close(self) -> None:
         op.unregister_layer(self.handle)

@@ -143,6 +143,18 @@ class KernelBackend(Backend):
         # Read back from the tensors the kernel is handed, not kept aside.
         return self.frontend.weights.canonical()
 
+    def replace_experts(self, local_slots, weights: QuantizedWeights) -> None:
+        # Into the tensors the compiled kernel and every captured graph already point at, through the arch's own
+        # packer (shim/<arch>/weights.py: <Arch>KernelWeights.replace_experts): same addresses, a fresh load's bytes.
+        kernel_weights = self.frontend.weights
+        write = getattr(kernel_weights, "replace_experts", None)
+        if write is None:
+            from moe_ep.core.errors import BackendUnavailableError
+
+            raise BackendUnavailableError("backend", f"{self.name!r} ({type(kernel_weights).__name__}) cannot "
+                                                     "replace experts in place yet")
+        write(local_slots, weights)
+
     def staged_activation(self) -> QuantizedActivation:
         return self.frontend.staged_activation(self._last_t)
 
