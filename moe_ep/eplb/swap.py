@@ -11,7 +11,7 @@ graph replays) enqueued after it read the new ones.
 from __future__ import annotations
 
 from dataclasses import replace as dc_replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,7 @@ def _quantized(layer, n: int, weights) -> Optional[QuantizedWeights]:
             if name not in per and not torch.equal(got.to(dev).view(torch.uint8), ref.view(torch.uint8)):
                 raise CalibrationError(f"weights.{name}", f"the layer's static {name} is fixed at load "
                                                           f"({ref.tolist()}); got {got.tolist()}")
-        return dc_replace(weights.to(dev), expert_offset=0)
+        return dc_replace(weights.to(dev), expert_offset=0) if n else None
     if not isinstance(weights, (tuple, list)) or len(weights) != 2:
         raise DTypeError("weights", "expected (w13 [n, 2I, H], w2 [n, H, I]) bf16 tensors or a "
                                     f"moe_ep.QuantizedWeights, got {type(weights).__name__}")
@@ -98,6 +98,8 @@ def _quantized(layer, n: int, weights) -> Optional[QuantizedWeights]:
             raise DTypeError(f"weights.{name}", f"expected dtype torch.bfloat16, got {t.dtype}")
         if tuple(t.shape) != shape:
             raise ShapeError(f"weights.{name}", f"expected {list(shape)} ([slots, ...]), got {list(t.shape)}")
+    if not n:
+        return None
     cal = layer._calibration
     if format_info(layer.fmt).static_activation_scales and None in cal.values():
         raise CalibrationError("weights", f"fmt {layer.fmt!r} has static activation scales and this layer knows no "
@@ -127,15 +129,20 @@ def replace_experts(layer, slots, weights) -> List[int]:
     return mine
 
 
-def _same_everywhere(ctx, values: Sequence[int], what: str) -> None:
-    """Collective: raise ExpertMapError on every rank unless every rank passed the same `values`."""
-    v = torch.tensor(list(values), dtype=torch.int64)
-    both = torch.cat([v, -v]).to(ctx.comm_device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
-    hi, lo = both[: len(values)].cpu(), -both[len(values):].cpu()
-    if not torch.equal(hi, lo):
-        raise ExpertMapError("expert_map", f"ranks disagree on {what}; every rank must pass the same map and the "
-                                           f"same choice of weights (given, or None to copy from holders)")
+def _agree_on_map(ctx, expert_map: ExpertMap, fetching: bool) -> List[bool]:
+    """Collective (one all_reduce): ExpertMapError on every rank unless every rank passed the same map; returns,
+    per rank, whether it copies slots from their holders (so every rank knows what it has to send)."""
+    world = ctx.world_size
+    v = torch.zeros(2 + world, dtype=torch.int64)
+    v[0], v[1] = expert_map.digest(), -expert_map.digest()
+    v[2 + ctx.rank] = int(fetching)
+    v = v.to(ctx.comm_device)
+    dist.all_reduce(v, op=dist.ReduceOp.MAX, group=ctx.group)
+    v = v.cpu()
+    if int(v[0]) != -int(v[1]):
+        raise ExpertMapError("expert_map", "ranks were given different expert maps; every rank must pass the same "
+                                           "one (nothing was changed)")
+    return [bool(f) for f in v[2:].tolist()]
 
 
 def rearrange(layer, expert_map: ExpertMap, weights=None) -> List[int]:
@@ -156,39 +163,46 @@ def rearrange(layer, expert_map: ExpertMap, weights=None) -> List[int]:
         mine = [s - lo for s in changed if lo <= s < lo + s_local]
         _supported(layer)
         qw = None if weights is None else _quantized(layer, len(mine), weights)
-        if weights is None and changed:
-            _template(layer)  # the fetch's row shapes, read before anything moves
+        if changed:
+            _template(layer)  # the rows a fetch moves, read before anything does
         return old, changed, mine, qw
 
     old, changed, mine, qw = run_agreed(layer.ctx, check, "rearrange() arguments")
-    _same_everywhere(layer.ctx, [expert_map.digest(), int(weights is None)], "the new expert map")
-    if weights is None and changed:
-        qw = _fetch_from_holders(layer, old, expert_map, changed)
+    fetchers = _agree_on_map(layer.ctx, expert_map, weights is None and bool(mine))
+    if any(fetchers):
+        fetched = _fetch_from_holders(layer, old, expert_map, changed, fetchers)
+        qw = fetched if weights is None else qw
     if mine:
         layer.backend.replace_experts(mine, qw)
     router.install(expert_map)
     return mine
 
 
-def _moves(old: ExpertMap, new: ExpertMap, changed: List[int], s_local: int) -> List[Tuple[int, int]]:
-    """(destination slot, source slot) for every changed slot: a slot that holds the expert under the old map, on the
-    destination's own rank when there is one (no transfer), else its first replica. Every rank computes the same."""
+def _moves(old: ExpertMap, new: ExpertMap, changed: List[int], s_local: int,
+           fetchers: List[bool]) -> List[Tuple[int, int]]:
+    """(destination slot, source slot) for every changed slot of a fetching rank: a slot that holds the expert under
+    the old map, on the destination's own rank when there is one (no transfer), else its first replica. Every rank
+    computes the same list."""
     moves = []
     for d in changed:
+        if not fetchers[d // s_local]:
+            continue
         holders = old.slots_of(new.logical_of(d))
         local = [h for h in holders if h // s_local == d // s_local]
         moves.append((d, (local or holders)[0]))
     return moves
 
 
-def _fetch_from_holders(layer, old: ExpertMap, new: ExpertMap, changed: List[int]) -> Optional[QuantizedWeights]:
-    """The quantized bytes of this rank's changed slots, read from the slots that hold those experts now: local ones
-    copied, remote ones in one all_to_all (every rank takes part when any expert crosses ranks)."""
+def _fetch_from_holders(layer, old: ExpertMap, new: ExpertMap, changed: List[int],
+                        fetchers: List[bool]) -> Optional[QuantizedWeights]:
+    """The quantized bytes of this rank's changed slots (when it fetches), read from the slots that hold those experts
+    now, before anything is written (so experts may trade places): local ones copied, remote ones in one all_to_all
+    (every rank takes part when any expert crosses ranks: holders send even if they fetch nothing)."""
     ctx, s_local = layer.ctx, layer.slots_per_rank
     rank, world = ctx.rank, ctx.world_size
     tmpl = _template(layer)
     names = tmpl.per_expert_fields()
-    moves = _moves(old, new, changed, s_local)
+    moves = _moves(old, new, changed, s_local, fetchers)
     owner = lambda s: s // s_local  # noqa: E731
     current = layer.backend.oracle_weights() if any(owner(s) == rank for _, s in moves) else None
 
