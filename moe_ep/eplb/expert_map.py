@@ -13,6 +13,7 @@ An ExpertMap is a host-side value: immutable, validated once, the same on every 
 from __future__ import annotations
 
 import hashlib
+import numbers
 from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -30,13 +31,14 @@ def _int_tensor(name: str, value, dims: int) -> torch.Tensor:
             raise DTypeError(name, f"expected an integer tensor, got dtype {value.dtype}")
         t = value.detach().to("cpu", torch.int64)
     else:
+        flat = list(_flat(value))
+        bad = [v for v in flat if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+        if bad:
+            raise DTypeError(name, f"expected integers (a tensor or nested sequences of int), got {bad[0]!r}")
         try:
             t = torch.tensor(value, dtype=torch.int64)
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-            raise DTypeError(name, f"expected integers (a tensor or nested sequences of int), got {value!r:.80}: "
-                                   f"{e}") from None
-        if any(isinstance(v, bool) for v in _flat(value)):
-            raise DTypeError(name, "expected integers, got booleans")
+            raise ShapeError(name, f"expected a rectangular table of ints: {e}") from None
     if t.dim() != dims:
         raise ShapeError(name, f"expected a {dims}-D table, got shape {list(t.shape)}")
     return t.contiguous()
