@@ -15,7 +15,7 @@ import torch
 import moe_ep
 from moe_ep.core.dist import init_from_env
 from moe_ep.formats import format_info, quantize_weights
-from moe_ep.reference.oracle import OUTPUT_TOLERANCE, check_multirank, compare
+from moe_ep.reference.oracle import check_multirank, compare
 from moe_ep.testing.scenario import error_record
 
 H, I, E, K = 256, 128, 8, 4
@@ -67,7 +67,7 @@ def inputs(rank: int, t: int, seed: int, device):
 
 
 def rule_slots(emap: moe_ep.ExpertMap, idx: torch.Tensor, rank: int) -> torch.Tensor:
-    """docs/eplb.md's replica rule, written out independently of the router: slot table[e, (t + k + rank) % count[e]]."""
+    """docs/eplb.md's replica rule, written apart from the router: slot table[e, (t + k + rank) % count[e]]."""
     idx = idx.cpu()
     t, k = idx.shape
     e = idx.clamp(min=0)
@@ -270,7 +270,8 @@ def refusals(backend: str = "torch_reference", fmt: str = "bf16", bad_rank: int 
         "weights_dtype": replace([0], (z(1, 2 * I, H, dtype=torch.float32), z(1, H, I))),
         "weights_missing": replace([0], None),
         "weights_not_tensors": replace([0], "w13 and w2"),
-        "weights_format": replace([0], quantize_weights(other_fmt, z(1, 2 * I, H), z(1, H, I), **calibration(other_fmt))),
+        "weights_format": replace([0], quantize_weights(other_fmt, z(1, 2 * I, H), z(1, H, I),
+                                                        **calibration(other_fmt))),
         "weights_count": rearrange(target, (z(len(mine) + 1, 2 * I, H), z(len(mine) + 1, H, I))),
         "map_wrong_size": rearrange(moe_ep.ExpertMap.round_robin(E, num_slots + world)),
         "map_wrong_experts": rearrange(moe_ep.ExpertMap.round_robin(E + 1, num_slots)),

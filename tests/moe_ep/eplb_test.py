@@ -142,7 +142,8 @@ def group():
 
 def _weights(seed=0, e=E):
     g = torch.Generator().manual_seed(seed)
-    return ((torch.randn(e, 2 * I, H, generator=g) / 16).bfloat16(), (torch.randn(e, H, I, generator=g) / 11).bfloat16())
+    return ((torch.randn(e, 2 * I, H, generator=g) / 16).bfloat16(),
+            (torch.randn(e, H, I, generator=g) / 11).bfloat16())
 
 
 def _inputs(t=11, seed=1):

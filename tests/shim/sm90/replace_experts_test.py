@@ -28,7 +28,8 @@ def test_a_swap_leaves_the_bytes_of_a_fresh_load_at_the_same_addresses(fmt):
     w13, w2 = _w(5)
     n13, n2 = _w(2, seed=1)
     kw = weights.prepare_weights(fmt, w13, w2, torch.device("cpu"), expert_offset=5)
-    before = {f: (getattr(kw, f).data_ptr(), _bytes(getattr(kw, f)).clone()) for f in FIELDS if getattr(kw, f) is not None}
+    before = {f: (getattr(kw, f).data_ptr(), _bytes(getattr(kw, f)).clone())
+              for f in FIELDS if getattr(kw, f) is not None}
     slots = [3, 0]
     kw.replace_experts(slots, quantize_weights(fmt, n13, n2))
     want13, want2 = w13.clone(), w2.clone()
