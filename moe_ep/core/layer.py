@@ -87,7 +87,8 @@ class MoELayer(LayerGeometry):
         self.backend_name = entry.name
         self.fmt = f
         self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
-        self._calibration = {"act_amax": weights.act_amax, "fc2_act_amax": weights.fc2_act_amax}
+        # What a bf16 swap quantizes with (statically scaled formats; None when the layer was given quantized bytes).
+        self._calibration = {k: getattr(weights, k, None) for k in ("act_amax", "fc2_act_amax")}
         self._eplb = eplb_slots.router(spec, slot_spec, ctx, expert_map, id_space, count_load)
         self._backend = cls(slot_spec, ctx, fmt=f, **backend_options)
         self._backend.prepare_weights(weights)
