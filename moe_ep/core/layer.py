@@ -14,7 +14,8 @@ from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.core.validate import validate_forward, validate_spec_for_backend, validate_weights
 from moe_ep.core.weights import ExpertWeights
 from moe_ep.eplb import ExpertMap, SlotRouter
-from moe_ep.eplb import placement as eplb_slots
+from moe_ep.eplb import placement as eplb_placement
+from moe_ep.eplb import swap as eplb_swap
 from moe_ep.formats import QuantizedWeights, check_format
 
 __all__ = ["MoELayer"]
@@ -77,7 +78,7 @@ class MoELayer(LayerGeometry):
             served = getattr(cls, "weight_formats", entry.formats)
             if f not in served:
                 raise FormatError("fmt", f"backend {entry.name!r} ({cls.__name__}) serves {list(served)}, not {f!r}")
-            slot_spec = eplb_slots.slot_spec(spec, ctx, expert_map, id_space, count_load)
+            slot_spec = eplb_placement.slot_spec(spec, ctx, expert_map, id_space, count_load)
             validate_weights(slot_spec, weights, ctx, f)
             validate_spec_for_backend(slot_spec, cls, f, ctx.world_size)
             return entry, cls, f, slot_spec
@@ -89,7 +90,7 @@ class MoELayer(LayerGeometry):
         self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
         # What a bf16 swap quantizes with (statically scaled formats; None when the layer was given quantized bytes).
         self._calibration = {k: getattr(weights, k, None) for k in ("act_amax", "fc2_act_amax")}
-        self._eplb = eplb_slots.router(spec, slot_spec, ctx, expert_map, id_space, count_load)
+        self._eplb = eplb_placement.router(spec, slot_spec, ctx, expert_map, id_space, count_load)
         self._backend = cls(slot_spec, ctx, fmt=f, **backend_options)
         self._backend.prepare_weights(weights)
         self.name, self._watch = watchdog.watch_layer(name, bound, ctx.group, ctx.device)
@@ -199,8 +200,9 @@ class MoELayer(LayerGeometry):
         """(token, expert) pairs this rank routed to each slot since the last reset: int64 [num_slots] on the layer's
         device (no host sync). reset: zero the counters after reading, in stream order. gather: summed over all
         ranks, i.e. the pairs each slot received (one all_reduce; collective)."""
+        self.backend  # noqa: B018 - a closed layer says so (LayerClosedError)
         if self._eplb is None:
-            return eplb_slots.no_counters()
+            raise eplb_placement.no_counters()
         return self._eplb.load_counts(self.ctx, reset, gather)
 
     def replace_experts(self, slots, weights) -> List[int]:
@@ -208,9 +210,7 @@ class MoELayer(LayerGeometry):
         empty on some ranks), in place; the map is unchanged (a weight update). weights: (w13 [n, 2I, H], w2 [n, H, I])
         bf16, quantized as the load quantizes, or a moe_ep.QuantizedWeights of this layer's fmt, written as it is.
         Checked on every rank before anything changes. Returns the slots written."""
-        from moe_ep.eplb import swap
-
-        return swap.replace_experts(self, slots, weights)
+        return eplb_swap.replace_experts(self, slots, weights)
 
     def rearrange(self, expert_map: ExpertMap, weights=None) -> List[int]:
         """Collective: install `expert_map` (the same on every rank; same size as the current one) and give every
@@ -218,15 +218,14 @@ class MoELayer(LayerGeometry):
         order (as in replace_experts), or None to copy the quantized bytes from slots that hold that expert now (one
         all_to_all). Kernel tensors and the device map are written in place: captured graphs stay valid and read
         the new placement. Returns this rank's rewritten local slots."""
-        from moe_ep.eplb import swap
-
-        return swap.rearrange(self, expert_map, weights)
+        return eplb_swap.rearrange(self, expert_map, weights)
 
     def close(self) -> None:
         op.unregister_layer(self.handle)
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        self._eplb = self._swap_template = None
         if self._backend is not None:
             try:
                 self._backend.close()

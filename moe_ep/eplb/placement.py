@@ -50,6 +50,6 @@ def router(spec: MoESpec, backend_spec: MoESpec, ctx: RankContext, expert_map: O
                       rank=ctx.rank, device=ctx.device, id_space=id_space, count_load=count)
 
 
-def no_counters():
-    raise LoadCountsError("count_load", "this layer keeps no load counters: build it with count_load=True (the "
+def no_counters() -> LoadCountsError:
+    return LoadCountsError("count_load", "this layer keeps no load counters: build it with count_load=True (the "
                                         "default when an expert_map is given)")

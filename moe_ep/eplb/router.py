@@ -84,8 +84,7 @@ class SlotRouter:
 
     def load_counts(self, ctx, reset: bool, gather: bool) -> torch.Tensor:
         if self._load is None:
-            raise LoadCountsError("count_load", "this layer keeps no load counters: build it with count_load=True "
-                                                "(the default when an expert_map is given)")
+            raise LoadCountsError("count_load", "this layer keeps no load counters: build it with count_load=True")
         counts = self._load[1:].clone()
         if reset:
             self._load.zero_()
