@@ -15,7 +15,7 @@ import torch
 import moe_ep
 from moe_ep.core.dist import init_from_env
 from moe_ep.formats import format_info, quantize_weights
-from moe_ep.reference.oracle import check_multirank, compare
+from moe_ep.reference.oracle import OUTPUT_TOLERANCE, check_multirank, compare
 from moe_ep.testing.scenario import error_record
 
 H, I, E, K = 256, 128, 8, 4
@@ -121,10 +121,18 @@ def _layer(spec, emap, w13, w2, ctx, backend, fmt, **kw):
     return moe_ep.MoELayer(spec, weights, backend=backend, fmt=fmt, device=ctx.device, expert_map=emap, **kw), weights
 
 
+def tolerance(fmt: str, device) -> float:
+    """The oracle's per-token bound; on a GPU an FP8 kernel's worst token may carry an FC2-input element rounded to
+    the neighbouring e4m3 value, which at this small I moves it by more (tests/shim/sm90/multirank_gpu_test.py)."""
+    tol = OUTPUT_TOLERANCE[fmt]
+    return max(tol, 0.75 / I ** 0.5) if device.type == "cuda" and fmt.startswith("fp8") else tol
+
+
 def _checked(layer, weights, hidden, idx, w):
     out = torch.full((hidden.shape[0], H), float("nan"), dtype=torch.bfloat16, device=hidden.device)
     layer(hidden, idx, w, out=out)
-    report = check_multirank(layer, hidden, idx, w, out, weights=weights, raise_on_failure=False)
+    report = check_multirank(layer, hidden, idx, w, out, weights=weights, tol=tolerance(layer.fmt, hidden.device),
+                             raise_on_failure=False)
     return out, {"ok": report.ok, "summary": report.summary(), "err": report.mine(layer.ctx.rank).max_row_rel_err}
 
 
@@ -147,7 +155,7 @@ def scenario(backend: str = "torch_reference", fmt: str = "bf16"):
     if E % world == 0:  # a layer with no map over the same logical experts: the model the slotted one reproduces
         with moe_ep.MoELayer(spec, moe_ep.ExpertWeights.from_global(w13, w2, rank, world, **calibration(fmt)),
                              backend=backend, fmt=fmt, device=dev) as plain:
-            ok, problems, row, *_ = compare(out, plain(hidden, idx, w), fmt)
+            ok, problems, row, *_ = compare(out, plain(hidden, idx, w), fmt, tolerance(fmt, dev))
         rec["vs_plain"] = {"ok": ok, "err": row, "problems": problems}
     again = layer(hidden, idx, w)
     rec["deterministic"] = bool(torch.equal(again.view(torch.int16), out.view(torch.int16)))
@@ -186,7 +194,7 @@ def scenario(backend: str = "torch_reference", fmt: str = "bf16"):
     rec["swap1_written"] = layer.rearrange(new)
     new_weights = new.rank_weights(w13, w2, rank, world, **calibration(fmt))
     out1, rec["swap1"] = _checked(layer, new_weights, hidden, idx, w)
-    rec["swap1_close_to_before"] = compare(out1, out, fmt)[0]
+    rec["swap1_close_to_before"] = compare(out1, out, fmt, tolerance(fmt, dev))[0]
     rec["same_addresses"] = pointers(layer) == before_ptrs
     with moe_ep.MoELayer(spec, new_weights, backend=backend, fmt=fmt, device=dev, expert_map=new) as fresh:
         rec["swap1_bytes_equal_fresh"] = digest(layer) == digest(fresh)
