@@ -178,6 +178,12 @@ def rearrange(layer, expert_map: ExpertMap, weights=None) -> List[int]:
     return mine
 
 
+def _stack(rows: List[torch.Tensor]) -> torch.Tensor:
+    """torch.stack through byte views: the 1-byte float formats (e4m3, e8m0) have no stack kernel everywhere."""
+    flat = torch.stack([r.contiguous().reshape(-1).view(torch.uint8) for r in rows])
+    return flat.view(rows[0].dtype).reshape(len(rows), *rows[0].shape)
+
+
 def _moves(old: ExpertMap, new: ExpertMap, changed: List[int], s_local: int,
            fetchers: List[bool]) -> List[Tuple[int, int]]:
     """(destination slot, source slot) for every changed slot of a fetching rank: a slot that holds the expert under
@@ -209,7 +215,7 @@ def _fetch_from_holders(layer, old: ExpertMap, new: ExpertMap, changed: List[int
     def rows(local_ids: List[int]) -> List[torch.Tensor]:
         if not local_ids:
             return [getattr(tmpl, n)[:0] for n in names]
-        return [torch.stack([getattr(current, n)[i] for i in local_ids]) for n in names]
+        return [_stack([getattr(current, n)[i] for i in local_ids]) for n in names]
 
     received: Dict[int, List[torch.Tensor]] = {}
     remote = [(d, s) for d, s in moves if owner(d) != owner(s)]
@@ -226,5 +232,5 @@ def _fetch_from_holders(layer, old: ExpertMap, new: ExpertMap, changed: List[int
     fields = {}
     for k, n in enumerate(names):
         parts = [received[d][k] if d in received else getattr(current, n)[s - rank * s_local] for d, s in mine]
-        fields[n] = torch.stack(parts).to(ctx.device)
+        fields[n] = _stack(parts).to(ctx.device)
     return dc_replace(tmpl, **fields)
