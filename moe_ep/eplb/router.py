@@ -52,10 +52,6 @@ class SlotRouter:
         if expert_map is not None:
             self.install(expert_map)
 
-    @property
-    def counting(self) -> bool:
-        return self._load is not None
-
     def install(self, expert_map: ExpertMap) -> None:
         """Write `expert_map` into the device tensors the forwards read (same addresses; stream-ordered copies)."""
         if self.maps:

@@ -23,10 +23,10 @@ from moe_ep.core.errors import (BackendUnavailableError, CalibrationError, DType
 from moe_ep.eplb.expert_map import ExpertMap
 from moe_ep.formats import QuantizedWeights, format_info, quantize_weights
 
-__all__ = ["replace_experts", "rearrange", "local_slot_list"]
+__all__ = ["replace_experts", "rearrange"]
 
 
-def local_slot_list(slots, slots_per_rank: int) -> List[int]:
+def _local_slots(slots, slots_per_rank: int) -> List[int]:
     """Local slot ids (a sequence of ints or a 1-D integer tensor) -> a list of distinct ints in [0, slots_per_rank)."""
     if isinstance(slots, torch.Tensor):
         if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
@@ -120,7 +120,7 @@ def replace_experts(layer, slots, weights) -> List[int]:
 
     def check():
         _supported(layer)
-        mine = local_slot_list(slots, s_local)
+        mine = _local_slots(slots, s_local)
         return mine, _quantized(layer, len(mine), weights)
 
     mine, qw = run_agreed(layer.ctx, check, "replace_experts() arguments")
