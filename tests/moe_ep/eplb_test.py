@@ -32,6 +32,8 @@ def test_the_vllm_form_round_trips_and_keeps_its_replica_order():
     assert other.slots_of(0) == [6, 0, 4] and other.physical_to_logical.tolist() == m.physical_to_logical.tolist()
     assert other != m and other.digest() != m.digest()  # same placement, another routing
     assert other.changed_slots(m) == []
+    wide = torch.nn.functional.pad(m.replica_table, (0, 12), value=-1)  # vLLM pads to its redundancy bound
+    assert moe_ep.ExpertMap.from_replicas(wide, m.replica_count, num_slots=7) == m
 
 
 @pytest.mark.parametrize("args, kwargs, etype, argument", [
