@@ -213,3 +213,7 @@ def test_the_compiled_layer_maps_and_counts_inside_the_custom_op(group):
     want = torch.bincount(_rule(m, idx, 0).flatten(), minlength=6)
     assert layer.load_counts().tolist() == (2 * want).tolist()  # one compiled call, one eager
     layer.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

@@ -32,3 +32,7 @@ def test_a_swap_leaves_the_bytes_of_a_fresh_load_at_the_same_addresses(fmt):
     for n in names:
         assert getattr(kw, n).data_ptr() == ptrs[n], n
         assert same_bytes(getattr(kw, n), getattr(fresh, n)), (fmt, n)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

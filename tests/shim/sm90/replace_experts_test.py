@@ -57,3 +57,7 @@ def test_quantized_input_is_written_as_it_is():
     for name in ("w13_q", "w2_q", "w13_scale", "w2_scale"):
         a, b = getattr(got, name)[1], getattr(qw, name)[0]
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

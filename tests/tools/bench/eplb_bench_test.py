@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tools.launch.launcher import launch
 
 
@@ -39,3 +41,7 @@ def test_one_rank_two_replicas_smoke(tmp_path):
     for r in rows:
         assert r["oracle_before"] and r["oracle_after"] and r["swap_bytes_equal_fresh"]
         assert r["max_rank_share_before"] == r["max_rank_share_after"] == 1.0
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
