@@ -151,7 +151,6 @@ class Sm100KernelWeights:
                                 act_scale=self.act_scale, fc2_act_scale=self.fc2_act_scale,
                                 expert_offset=self.expert_offset)
 
-
     # The fields with one entry per expert (dim 0); act_scale is the layer's one static FC1-input scale.
     PER_EXPERT = ("fc1", "fc2", "fc1_sf", "fc2_sf", "fc1_alpha", "fc2_alpha", "fc1_norm_const", "w13_global_scale",
                   "w2_global_scale", "fc2_act_scale")
