@@ -6,6 +6,7 @@ backend that runs anywhere (and serves as the oracle).
     weights = moe_ep.ExpertWeights(w13, w2, rank=r, world_size=W, num_experts=E)
     layer = moe_ep.MoELayer(spec, weights)            # backend picked by device arch; or backend="..."
     out = layer(hidden, topk_idx, topk_weights)       # [T, H] bf16 on every rank
+    module = moe_ep.MoEModule(spec, weights)          # the same as a torch.nn.Module (state_dict, load_state_dict)
 
 Importing this package never imports a kernel tree: kernel backends load when a layer asks for them.
 """
@@ -17,10 +18,12 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
                                 KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError,
                                 LayerClosedError, RegistrationError, RankDivergenceError, PeerLostError,
-                                DeviceUnavailableError, ExpertMapError, LoadCountsError)
+                                DeviceUnavailableError, CheckConfigError,
+                                IntegrationError, ExpertMapError, LoadCountsError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
+from moe_ep.module import MoEModule
 from moe_ep.core.registry import (BackendInfo, detect_arch, list_backends, register_backend, select_backend,
                                   unregister_backend)
 from moe_ep.core.spec import MoESpec
@@ -30,7 +33,7 @@ from moe_ep.eplb import ExpertMap
 from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights
 
 __all__ = [
-    "MoESpec", "ExpertWeights", "QuantizedWeights", "QuantizedActivation", "MoELayer", "Backend", "RankContext", "init_from_env",
+    "MoESpec", "ExpertWeights", "QuantizedWeights", "QuantizedActivation", "MoELayer", "MoEModule", "Backend", "RankContext", "init_from_env",
     "FORMATS", "BackendInfo", "list_backends", "register_backend", "unregister_backend", "select_backend",
     "detect_arch", "capture_graph", "watch", "WATCHDOG_EXIT_CODE", "ExpertMap",
     "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError", "NonContiguousError",
@@ -40,5 +43,6 @@ __all__ = [
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
     "RankDivergenceError", "PeerLostError",
     "DeviceUnavailableError",
+    "CheckConfigError", "IntegrationError",
     "ExpertMapError", "LoadCountsError",
 ]

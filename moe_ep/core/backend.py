@@ -19,7 +19,9 @@ class Backend:
     """Subclass and register (moe_ep.register_backend). Class attributes describe what it serves:
 
     name, arch ("cpu" | "sm90" | "sm100"), weight_formats (the fmt strings it accepts; the first is its
-    default), out_dtype. check_spec() states its capacity / divisibility rules so the layer can reject a spec
+    default), out_dtype, input_dtypes / routing_weight_dtypes (the hidden / topk_weights dtypes forward() takes
+    as they are, rounding hidden to bf16 and reading the weights as fp32 where it stages them; the layer converts
+    any other dtype it accepts before the call). check_spec() states its capacity / divisibility rules so the layer can reject a spec
     before any workspace is allocated.
     """
 
@@ -27,6 +29,8 @@ class Backend:
     arch: ClassVar[str] = "cpu"
     weight_formats: ClassVar[Tuple[str, ...]] = FORMATS
     out_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    input_dtypes: ClassVar[Tuple[torch.dtype, ...]] = (torch.bfloat16,)
+    routing_weight_dtypes: ClassVar[Tuple[torch.dtype, ...]] = (torch.float32,)
 
     def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None, **options):
         self.spec = spec

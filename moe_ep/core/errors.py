@@ -18,6 +18,7 @@ __all__ = [
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
     "RankDivergenceError", "PeerLostError",
     "DeviceUnavailableError",
+    "CheckConfigError", "IntegrationError",
     "ExpertMapError", "LoadCountsError",
 ]
 
@@ -191,6 +192,16 @@ class PeerLostError(ProcessGroupError):
         self.ranks = tuple(ranks)
         self.transport = transport
         super().__init__(argument, message)
+
+
+class CheckConfigError(MoEError, ValueError):
+    """MoELayer(check_values=..., collective_checks=...) or $MOE_EP_CHECKS is not a schedule the layer knows;
+    ``argument`` names the argument or the variable."""
+
+
+class IntegrationError(MoEError, RuntimeError):
+    """A model moe_ep.integrations cannot serve as asked: its library is missing, or a module's experts are not
+    what an MoE layer computes (``argument`` names the module or the option)."""
 
 
 class ExpertMapError(MoEError, ValueError):

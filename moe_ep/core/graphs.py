@@ -16,8 +16,9 @@ def capture_graph(fn: Callable[[], object], *, warmup: int = 1, pool=None,
                   device: Optional[torch.device] = None) -> "torch.cuda.CUDAGraph":
     """Run `fn` `warmup` times on a side stream, then capture one call of it; returns the graph (replay() it).
 
-    Collective when `fn` is a moe_ep forward: every rank must capture together. Pass the layer
-    `check_values=False, collective_checks=False`: a capture cannot hold the host syncs those checks take."""
+    Collective when `fn` is a moe_ep forward: every rank must capture together. A layer's value checks and
+    cross-rank agreement take host syncs a capture cannot hold: they are skipped while a stream is capturing
+    (the warm-up calls run them), whatever the layer's check schedule."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))

@@ -5,20 +5,46 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 
 from moe_ep.core import op, registry, watchdog
 from moe_ep.core.device import require_arch
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import DTypeError, FormatError, LayerClosedError, WatchdogConfigError
+from moe_ep.core.errors import CapacityError, DTypeError, FormatError, LayerClosedError, SpecError, WatchdogConfigError
 from moe_ep.core.spec import LayerGeometry, MoESpec
-from moe_ep.core.validate import validate_forward, validate_spec_for_backend, validate_weights
+from moe_ep.core.validate import (check_expert_ids, check_schedule, checks_mode, validate_forward,
+                                  validate_spec_for_backend, validate_weights)
 from moe_ep.core.weights import ExpertWeights
 from moe_ep.eplb import ExpertMap, SlotRouter
 from moe_ep.eplb import placement as eplb_placement
 from moe_ep.eplb import swap as eplb_swap
 from moe_ep.formats import QuantizedWeights, check_format
 
-__all__ = ["MoELayer"]
+__all__ = ["MoELayer", "AGREED_CALLS", "CHUNKING"]
+
+# The default schedule's cross-rank agreement covers a layer's first call (every rank makes it; a bad wiring shows
+# there, and every rank raises); later local failures are raised on their own rank after it took part with zero
+# tokens (docs/api.md, "Checks").
+AGREED_CALLS = 1
+CHUNKING = ("strict", "agree")
+_NO_LIMIT = 1 << 62
+_MAX_SEEN = 4096  # (T, id dtype) pairs whose first call had its ids checked; forgotten (and re-checked) beyond it
+# torch's C binding (~0.1 us); a CPU-only build has a placeholder there, and no capture.
+_capturing = torch._C._cuda_isCurrentStreamCapturing if torch.backends.cuda.is_built() else (lambda: False)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _out_dtype_option(out_dtype):
+    if out_dtype is None or out_dtype == "hidden" or out_dtype in _OUT_DTYPES:
+        return out_dtype
+    raise DTypeError("out_dtype", f"expected None (bf16, the kernels' output), 'hidden' (the call's hidden dtype) or "
+                                  f"one of {[str(d) for d in _OUT_DTYPES]}, got {out_dtype!r}")
+
+
+def _chunking_option(chunking):
+    if chunking not in CHUNKING:
+        raise SpecError("chunking", f"expected one of {list(CHUNKING)}, got {chunking!r}")
+    return chunking
 
 
 class MoELayer(LayerGeometry):
@@ -26,9 +52,19 @@ class MoELayer(LayerGeometry):
 
     backend: None / "auto" picks by the device's arch (and fmt, if given); or a registered name.
     fmt: the quantization format (see moe_ep.FORMATS); None takes the backend's default.
-    check_values: check expert ids are in range on every call (one device sync on GPU).
-    collective_checks: agree on validation across ranks before the data collectives, so a bad input on one
-      rank raises everywhere instead of stranding the others (one tiny all_reduce per call).
+    Every call checks types, shapes, dtypes, devices and contiguity (one host expression, ~1 us). The costly checks
+    follow a schedule (docs/api.md, "Checks"; $MOE_EP_CHECKS=all turns both on for every call, =off turns the
+    defaults off): None (default) / True (every call) / False (never):
+    check_values: expert ids in range (one device sync on GPU). Default: every call on a CPU; on a GPU, the first
+      call of each (T, id dtype) outside a graph capture.
+    collective_checks: agree on validation across ranks before the data collectives, so a bad input on one rank
+      raises on every rank (one tiny all_reduce). Default: the layer's first call. Otherwise a rank whose input
+      fails takes part in the call with zero tokens (its peers' outputs stay right) and raises its own error.
+    chunking: "strict" (default): a call with more than max_tokens_per_rank tokens is a CapacityError unless it
+      passes max_tokens_across_ranks; "agree": every call agrees on the largest T across ranks (one tiny
+      all_reduce and a host sync per call) and runs ceil(T_max / capacity) capacity-sized launches.
+    out_dtype: the dtype a call without `out` returns: None (bf16, the kernels' own output), "hidden" (the call's
+      hidden dtype) or torch.bfloat16 / float16 / float32.
     name: what the forward watchdog calls this layer (default "moe_ep layer #<k>", k in creation order).
     timeout_s: the watchdog's bound on one forward (seconds; 0 turns it off; default $MOE_EP_TIMEOUT_S, else
       10 s + 2 x the slowest call so far): a call that does not finish in time ends the process with one message
@@ -46,7 +82,8 @@ class MoELayer(LayerGeometry):
     """
 
     def __init__(self, spec: MoESpec, weights: ExpertWeights, backend: Optional[str] = None, *, group=None,
-                 device=None, fmt: Optional[str] = None, check_values: bool = True, collective_checks: bool = True,
+                 device=None, fmt: Optional[str] = None, check_values: Optional[bool] = None,
+                 collective_checks: Optional[bool] = None, chunking: str = "strict", out_dtype=None,
                  name: Optional[str] = None, timeout_s: Optional[float] = None,
                  expert_map: Optional[ExpertMap] = None, id_space: str = "logical", count_load: Optional[bool] = None,
                  **backend_options):
@@ -55,8 +92,6 @@ class MoELayer(LayerGeometry):
         ctx = RankContext.from_group(group, device)
         self.spec = spec
         self.ctx = ctx
-        self.check_values = check_values
-        self.collective_checks = collective_checks
         self._backend = None
         self._eplb: Optional[SlotRouter] = None
         self._swap_template = None
@@ -83,8 +118,23 @@ class MoELayer(LayerGeometry):
             validate_spec_for_backend(slot_spec, cls, f, ctx.world_size)
             return entry, cls, f, slot_spec
 
-        (entry, cls, f, slot_spec), bound = run_agreed(ctx, lambda: (resolve(), watchdog.parse_timeout(timeout_s)),
-                                                       "layer arguments")
+        def forward_options():
+            mode = checks_mode()
+            return (check_schedule(check_values, "check_values", mode),
+                    check_schedule(collective_checks, "collective_checks", mode),
+                    _chunking_option(chunking), _out_dtype_option(out_dtype))
+
+        (entry, cls, f, slot_spec), bound, options = run_agreed(
+            ctx, lambda: (resolve(), watchdog.parse_timeout(timeout_s), forward_options()), "layer arguments")
+        self._values_sched, self._agree_sched, self.chunking, self._out_dtype = options
+        self._calls = 0
+        self._values_seen = set()
+        self._empty = None
+        self._on_cuda = ctx.device.type == "cuda"
+        # What the backend's forward stages itself (converting once, where it copies anyway); the rest is
+        # converted here (moe_ep.core.backend.Backend.input_dtypes / routing_weight_dtypes).
+        self._hidden_dtypes = getattr(cls, "input_dtypes", (torch.bfloat16,))
+        self._weight_dtypes = getattr(cls, "routing_weight_dtypes", (torch.float32,))
         self.backend_name = entry.name
         self.fmt = f
         self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
@@ -147,50 +197,174 @@ class MoELayer(LayerGeometry):
 
     # -- forward -------------------------------------------------------------------------------------------
     def __call__(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.forward(hidden, topk_idx, topk_weights, out)
+                 out: Optional[torch.Tensor] = None, *, max_tokens_across_ranks: Optional[int] = None) -> torch.Tensor:
+        return self.forward(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks=max_tokens_across_ranks)
 
     def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """hidden [T, H] bf16, topk_idx [T, K] int64/int32, topk_weights [T, K] fp32 -> [T, H] bf16 (written
-        into out when given). T may differ per rank and may be 0; T <= max_tokens_per_rank; a -1 slot in
-        topk_idx names no expert. Under torch.compile the call is one opaque custom op (moe_ep.core.op)."""
+                out: Optional[torch.Tensor] = None, *, max_tokens_across_ranks: Optional[int] = None) -> torch.Tensor:
+        """hidden [T, H] bf16 / fp16 / fp32, topk_idx [T, K] int64 / int32, topk_weights [T, K] fp32 / bf16 / fp16 /
+        fp64 -> [T, H] in out's dtype when out is given (written into it), else in the layer's out_dtype (bf16 by
+        default). hidden is rounded to bf16 once, where the backend stages it; routing weights are read as fp32.
+        T may differ per rank and may be 0; a -1 slot in topk_idx names no expert.
+
+        T <= max_tokens_per_rank, unless the call is split into capacity-sized chunks: with
+        max_tokens_across_ranks (the most tokens any rank passes to this call, the same number on every rank: an
+        engine under data-parallel attention knows it) or on a layer built with chunking="agree" (the ranks agree
+        on it, one tiny all_reduce per call). Under torch.compile the call is one opaque custom op
+        (moe_ep.core.op)."""
         if torch.compiler.is_compiling():
             if out is None:
-                return op.forward(hidden, topk_idx, topk_weights, self.handle)
-            op.forward_out(hidden, topk_idx, topk_weights, out, self.handle)
+                return op.forward(hidden, topk_idx, topk_weights, self.handle, max_tokens_across_ranks)
+            op.forward_out(hidden, topk_idx, topk_weights, out, self.handle, max_tokens_across_ranks)
             return out
-        return self.forward_eager(hidden, topk_idx, topk_weights, out)
+        return self.forward_eager(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks)
 
     def forward_eager(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, max_tokens_across_ranks: Optional[int] = None) -> torch.Tensor:
         """The forward itself (validation, then the backend); what the custom op runs. Watched: a call that does
         not finish within the layer's bound ends the process (moe_ep.core.watchdog)."""
         w = self._watch
         if w is None or self._watch_paused:
-            return self._forward_unwatched(hidden, topk_idx, topk_weights, out)
+            return self._forward_unwatched(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks)
         slot = w.begin()
         try:
-            out = self._forward_unwatched(hidden, topk_idx, topk_weights, out)
+            out = self._forward_unwatched(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks)
         except BaseException:
             w.abandon(slot)
             raise
         w.end(slot)
         return out
 
-    def _forward_unwatched(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        spec = self._route_spec
-        if self.collective_checks:
-            t = run_agreed(self.ctx, lambda: validate_forward(spec, self.ctx, hidden, topk_idx, topk_weights,
-                                                              out, self.check_values), "forward() inputs")
+    def output_dtype(self, hidden_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a call with hidden of `hidden_dtype` and no `out` returns."""
+        o = self._out_dtype
+        return torch.bfloat16 if o is None else hidden_dtype if o == "hidden" else o
+
+    # Check schedules (docs/api.md, "Checks"): True every call, False never, None the default schedule.
+    @property
+    def check_values(self) -> Optional[bool]:
+        return self._values_sched
+
+    @check_values.setter
+    def check_values(self, on: Optional[bool]) -> None:
+        self._values_sched = check_schedule(on, "check_values", checks_mode())
+
+    @property
+    def collective_checks(self) -> Optional[bool]:
+        return self._agree_sched
+
+    @collective_checks.setter
+    def collective_checks(self, on: Optional[bool]) -> None:
+        self._agree_sched = check_schedule(on, "collective_checks", checks_mode())
+
+    def _forward_unwatched(self, hidden, topk_idx, topk_weights, out=None, max_tokens_across_ranks=None):
+        ctx = self.ctx
+        call = self._calls
+        self._calls = call + 1
+        capturing = self._on_cuda and _capturing()
+        m = max_tokens_across_ranks
+        # Every rank reaches the same call number (all calls are collective), and ranks capture graphs together:
+        # a schedule keyed by these two is entered by all ranks at the same call.
+        agree = (ctx.world_size > 1 and not capturing
+                 and (self._agree_sched or (self._agree_sched is None and call < AGREED_CALLS)))
+
+        def local() -> int:
+            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+                raise CapacityError("max_tokens_across_ranks", f"expected None or an int >= 0, got {m!r}")
+            limit = m if m is not None else (_NO_LIMIT if self.chunking == "agree" else None)
+            t = validate_forward(self._route_spec, ctx, hidden, topk_idx, topk_weights, out, False, limit)
+            if t and not capturing and self._values_sched is not False:
+                key = (t, topk_idx.dtype)
+                if self._values_sched or not self._on_cuda or key not in self._values_seen:
+                    check_expert_ids(self._route_spec, topk_idx)
+                    if len(self._values_seen) >= _MAX_SEEN:
+                        self._values_seen.clear()
+                    self._values_seen.add(key)
+            return t
+
+        error = None
+        if agree:
+            t = run_agreed(ctx, local, "forward() inputs")
         else:
-            t = validate_forward(spec, self.ctx, hidden, topk_idx, topk_weights, out, self.check_values)
-        if out is None:
-            out = torch.empty((t, self.spec.hidden_size), dtype=torch.bfloat16, device=self.ctx.device)
-        if self._eplb is not None:
-            topk_idx = self._eplb.route(topk_idx)  # logical ids -> slots, pairs counted (docs/eplb.md)
-        return self.backend.forward(hidden, topk_idx, topk_weights, out)
+            try:
+                t = local()
+            except Exception as e:  # noqa: BLE001 - any local failure: take part, then raise it
+                error, t = e, 0
+        n = self._chunk_count(t, m, agree, capturing, error is None)
+        if error is not None:
+            if ctx.world_size > 1:
+                # The peers are already on their way into the call's collectives: take part with no tokens (their
+                # tokens routed to this rank's experts are still served, so their outputs are right), then raise.
+                empty = self._empty_call()
+                for _ in range(n):
+                    self.backend.forward(*empty)
+            raise error
+        return self._run(hidden, topk_idx, topk_weights, out, t, n)
+
+    def _chunk_count(self, t: int, m: Optional[int], agree: bool, capturing: bool, valid: bool) -> int:
+        """How many capacity-sized launches this call takes, the same number on every rank."""
+        c = self.spec.max_tokens_per_rank
+        ctx = self.ctx
+        if m is not None:
+            if not valid and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+                return 1  # this rank's own max_tokens_across_ranks is the error: the peers' count is unknowable
+            if agree:
+                # The one cheap place to catch ranks that disagree on the bound (their chunk counts would differ).
+                both = torch.tensor([m, -m], dtype=torch.int64, device=ctx.comm_device)
+                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
+                hi, lo = both.tolist()
+                if hi != -lo:
+                    raise CapacityError("max_tokens_across_ranks", f"the ranks passed different values (from {-lo} "
+                                                                   f"to {hi}); every rank must pass the same bound")
+            return max(1, -(-m // c))
+        if self.chunking != "agree":
+            return 1
+        if ctx.world_size == 1:
+            return max(1, -(-t // c))
+        if capturing:
+            raise CapacityError("max_tokens_across_ranks", "chunking='agree' agrees on the call's largest T on the "
+                                                           "host, which a CUDA graph capture cannot hold; pass "
+                                                           "forward(..., max_tokens_across_ranks=N) when capturing")
+        most = torch.tensor([t], dtype=torch.int64, device=ctx.comm_device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ctx.group)
+        return max(1, -(-int(most.item()) // c))
+
+    def _empty_call(self):
+        e = self._empty
+        if e is None:
+            dev, h, k = self.ctx.device, self.spec.hidden_size, self.spec.top_k
+            e = self._empty = (torch.empty((0, h), dtype=torch.bfloat16, device=dev),
+                               torch.empty((0, k), dtype=torch.int64, device=dev),
+                               torch.empty((0, k), dtype=torch.float32, device=dev),
+                               torch.empty((0, h), dtype=torch.bfloat16, device=dev))
+        return e
+
+    def _run(self, hidden, topk_idx, topk_weights, out, t: int, n: int) -> torch.Tensor:
+        be = self.backend
+        want = out.dtype if out is not None else self.output_dtype(hidden.dtype)
+        if hidden.dtype not in self._hidden_dtypes:
+            hidden = hidden.to(torch.bfloat16)
+        if topk_weights.dtype not in self._weight_dtypes:
+            topk_weights = topk_weights.to(torch.float32)
+        if want is torch.bfloat16 and out is not None:
+            target = out
+        else:
+            target = torch.empty((t, self.spec.hidden_size), dtype=torch.bfloat16, device=self.ctx.device)
+        router = self._eplb  # logical ids -> slots, pairs counted, per launch (docs/eplb.md)
+        if n == 1:
+            be.forward(hidden, topk_idx if router is None else router.route(topk_idx), topk_weights, target)
+        else:
+            c = self.spec.max_tokens_per_rank
+            for i in range(n):
+                a = min(i * c, t)
+                b = min(a + c, t)
+                idx = topk_idx[a:b] if router is None else router.route(topk_idx[a:b])
+                be.forward(hidden[a:b], idx, topk_weights[a:b], target[a:b])
+        if target is out or want is torch.bfloat16:
+            return target
+        if out is not None:
+            return out.copy_(target)
+        return target.to(want)
 
     def oracle_weights(self) -> QuantizedWeights:
         return self.backend.oracle_weights()

@@ -99,10 +99,12 @@ class ExpertWeights:
     @classmethod
     def from_global(cls, w13_all: torch.Tensor, w2_all: torch.Tensor, rank: int, world_size: int,
                     **calibration) -> "ExpertWeights":
-        """Slice this rank's contiguous expert block out of the full [E, ...] tensors."""
+        """Copy this rank's contiguous expert block out of the full [E, ...] tensors: a copy, not a view, so the
+        full tensors can be freed (a view would keep every rank's experts alive on every rank)."""
         e = w13_all.shape[0]
         if world_size <= 0 or e % world_size:
             raise WorldSizeError("world_size", f"{world_size} does not divide num_experts={e}")
         n = e // world_size
         sl = slice(rank * n, (rank + 1) * n)
-        return cls(w13_all[sl].contiguous(), w2_all[sl].contiguous(), rank, world_size, e, **calibration)
+        return cls(w13_all[sl].clone(memory_format=torch.contiguous_format),
+                   w2_all[sl].clone(memory_format=torch.contiguous_format), rank, world_size, e, **calibration)

@@ -12,6 +12,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import ClassVar, List, Optional, Tuple
 
+import torch
+
 from moe_ep.core.backend import Backend
 from moe_ep.core.weights import ExpertWeights
 from moe_ep.formats import QuantizedActivation, QuantizedWeights
@@ -46,6 +48,9 @@ class KernelBackend(Backend):
     # (resolve_knobs, the knob type).
     limits: ClassVar[ModuleType]
     knobs_module: ClassVar[ModuleType]
+    # The frontend copies both into its buffers on every path anyway; the copy converts (shim/common/frontend.py).
+    input_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    routing_weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def __init__(self, spec, ctx, fmt: Optional[str] = None, *, knobs=None, max_active_clusters=None,
                  knob_cache_key: Optional[str] = None, internal_graphs: bool = True):

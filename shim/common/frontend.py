@@ -245,7 +245,8 @@ class MegaMoEFrontend(LayerGeometry):
         key = None
         if graphing and out is not None:
             # The steady state first (an engine's static buffers): one dict lookup and the replay.
-            key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
+            key = (t, x.data_ptr(), x.dtype, topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(),
+                   topk_weights.dtype, out.data_ptr())
             graph = self._graphs.get(key)
             if graph is not None and not self._lease.stale:
                 graph.replay()
@@ -260,7 +261,8 @@ class MegaMoEFrontend(LayerGeometry):
             out = torch.empty((t, self.hidden_size), dtype=torch.bfloat16, device=self.device)
         if graphing:
             if key is None:  # out was allocated just above
-                key = (t, x.data_ptr(), topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(), out.data_ptr())
+                key = (t, x.data_ptr(), x.dtype, topk_idx.data_ptr(), topk_idx.dtype, topk_weights.data_ptr(),
+                       topk_weights.dtype, out.data_ptr())
             graph = self._graphs.get(key)
             if graph is None:
                 if key not in self._seen:
@@ -278,7 +280,11 @@ class MegaMoEFrontend(LayerGeometry):
     def _launch_in_place(self, t: int, x, topk_idx, topk_weights, out) -> None:
         if t:
             self.topk_idx[:t].copy_(topk_idx)
-            self.topk_w[:t].copy_(topk_weights)
+            self.topk_w[:t].copy_(topk_weights)  # fp32 whatever the caller's float dtype: the copy converts
+            if x.dtype is not torch.bfloat16:
+                # fp16 / fp32 hidden: rounded to bf16 in its one copy, into the graphs' input buffer.
+                self.x_in[:t].copy_(x)
+                x = self.x_in
         self._launch(t, x[:t], out)
 
     def _replay_by_token_count(self, t: int, x, topk_idx, topk_weights, out) -> torch.Tensor:
@@ -300,6 +306,8 @@ class MegaMoEFrontend(LayerGeometry):
         if rows > t:
             self.topk_idx[t:rows].fill_(-1)
         if t:
+            if self.guard_ids:
+                self._guard_ids(t)
             self.prepare_routing(t)
             self.stage_activations(x)
         out_rows = max(t, 1)
@@ -319,6 +327,21 @@ class MegaMoEFrontend(LayerGeometry):
         self.compiled(**args)
         if out is not None and not direct and t > 0:
             out.copy_(self.out_buf[:t])
+
+    # An expert id >= num_experts reaches the kernel's dispatch as a shared-memory counter index past its array and a
+    # peer rank that does not exist (src/token_comm.py): memory corruption or an illegal address, then peers that
+    # wait forever. The layer checks ids on the first call of each shape; this guard, inside every launch (and so
+    # inside its graph: no host time, three small kernels of device time), stops the stream with a device-side
+    # assert before the kernel can read one on any later call. Ids below -1 are let through: the dispatch and the
+    # top-k reduce skip every negative id as they skip -1 (an int64 id below -2**31 would wrap in the dispatch's
+    # int32 read; no router makes one).
+    guard_ids = True
+
+    def _guard_ids(self, t: int) -> None:
+        idx = self.topk_idx[:t]
+        torch._assert_async(idx.lt(self.spec.num_experts).all(),
+                            "moe_ep: an expert id >= num_experts reached the MegaMoE kernel (the layer's value checks "
+                            "were off for this call: MoELayer(check_values=True) or MOE_EP_CHECKS=all names it)")
 
     def _capture(self, key, t: int, launch):
         if len(self._graphs) >= self.max_graphs:

@@ -252,7 +252,9 @@ def refusals(backend: str = "torch_reference", fmt: str = "bf16", bad_rank: int 
     spec = moe_ep.MoESpec(H, I, E, K, CAPACITY)
     w13, w2 = logical_weights()
     emap = initial_map(world)
-    layer, weights = _layer(spec, emap, w13, w2, ctx, backend, fmt)
+    # Every call checked and agreed (not the default schedule's first call only): each refusal below is a later call.
+    checks = dict(check_values=True, collective_checks=True)
+    layer, weights = _layer(spec, emap, w13, w2, ctx, backend, fmt, **checks)
     hidden, idx, w = inputs(rank, 16, seed=2, device=dev)
     layer(hidden, idx, w)
     counts = layer.load_counts().cpu().tolist()
@@ -298,8 +300,9 @@ def refusals(backend: str = "torch_reference", fmt: str = "bf16", bad_rank: int 
             err = error_record(e)
         rec[name] = {"error": err, "unchanged": digest(layer) == before and layer.expert_map == emap}
     # Forward of physical ids on a physical-id layer: a slot id out of range.
-    phys, _ = _layer(spec, emap, w13, w2, ctx, backend, fmt, id_space="physical")
+    phys, _ = _layer(spec, emap, w13, w2, ctx, backend, fmt, id_space="physical", **checks)
     slots = rule_slots(emap, idx, rank).to(dev)
+    phys(hidden, slots, w)  # a good first call: the bad one below is a later one
     if bad:
         slots[0, 0] = num_slots
     try:

@@ -6,7 +6,7 @@ import torch
 
 import moe_ep
 from moe_ep.eplb import SlotRouter
-from moe_ep.reference.oracle import check_multirank
+from moe_ep.reference.oracle import check_multirank, compare
 from tests.support.dist import one_rank_gloo_group
 
 H, I, E, K, C = 256, 128, 4, 2, 16
@@ -213,6 +213,24 @@ def test_the_compiled_layer_maps_and_counts_inside_the_custom_op(group):
     want = torch.bincount(_rule(m, idx, 0).flatten(), minlength=6)
     assert layer.load_counts().tolist() == (2 * want).tolist()  # one compiled call, one eager
     layer.close()
+
+
+
+def test_a_call_over_the_capacity_maps_each_chunk(group):
+    """chunking='agree': a call of 2.5 x the capacity runs in capacity-sized launches, each mapped (the rule's t
+    counts within a launch) and counted; the outputs are the logical model's, as a map-less layer computes it."""
+    spec = moe_ep.MoESpec(H, I, E, K, C)
+    w13, w2 = _weights()
+    m = moe_ep.ExpertMap([0, 1, 2, 3, 0, 0], num_logical=E)
+    x, idx, w = _inputs(t=5 * C // 2, seed=4)
+    with moe_ep.MoELayer(spec, m.rank_weights(w13, w2, 0, 1), expert_map=m, chunking="agree") as slotted, \
+            moe_ep.MoELayer(spec, moe_ep.ExpertWeights(w13, w2, 0, 1, E), chunking="agree") as plain:
+        got, want = slotted(x, idx, w), plain(x, idx, w)
+        assert compare(got, want, "bf16")[0]
+        chunks = [idx[a:a + C] for a in range(0, idx.shape[0], C)]
+        counts = sum(torch.bincount(_rule(m, c, 0).flatten(), minlength=6) for c in chunks)
+        assert slotted.load_counts().tolist() == counts.tolist()
+        assert counts[[0, 4, 5]].sum() == (idx == 0).sum() and min(counts[[0, 4, 5]]) > 0
 
 
 if __name__ == "__main__":

@@ -71,13 +71,13 @@ def _bad(kind):
     x, idx, w = _inputs()
     out = None
     if kind == "hidden_dtype":
-        x = x.float()
+        x = x.double()
     elif kind == "hidden_not_tensor":
         x = x.tolist()
     elif kind == "idx_dtype":
         idx = idx.float()
     elif kind == "weights_dtype":
-        w = w.bfloat16()
+        w = w.to(torch.float8_e4m3fn)
     elif kind == "hidden_shape":
         x = x[:, :64].contiguous()
     elif kind == "hidden_rank3":
@@ -103,7 +103,7 @@ def _bad(kind):
     elif kind == "over_capacity":
         x, idx, w = _inputs(C + 1)
     elif kind == "out_dtype":
-        out = torch.empty(5, H)
+        out = torch.empty(5, H, dtype=torch.float64)
     elif kind == "out_shape":
         out = torch.empty(4, H, dtype=torch.bfloat16)
     elif kind == "out_noncontig":
@@ -112,10 +112,10 @@ def _bad(kind):
 
 
 CASES = [
-    ("hidden_dtype", moe_ep.DTypeError, "hidden", "torch.bfloat16"),
+    ("hidden_dtype", moe_ep.DTypeError, "hidden", "torch.bfloat16 / torch.float16 / torch.float32"),
     ("hidden_not_tensor", moe_ep.DTypeError, "hidden", "torch.Tensor"),
     ("idx_dtype", moe_ep.DTypeError, "topk_idx", "torch.int64"),
-    ("weights_dtype", moe_ep.DTypeError, "topk_weights", "torch.float32"),
+    ("weights_dtype", moe_ep.DTypeError, "topk_weights", "torch.float32 / torch.bfloat16"),
     ("hidden_shape", moe_ep.ShapeError, "hidden", f"[T, {H}]"),
     ("hidden_rank3", moe_ep.ShapeError, "hidden", f"[T, {H}]"),
     ("idx_rows", moe_ep.ShapeError, "topk_idx", "[5, 2]"),
@@ -128,7 +128,7 @@ CASES = [
     ("negative_id", moe_ep.ExpertIndexError, "topk_idx", ">= -1"),
     ("id_too_large", moe_ep.ExpertIndexError, "topk_idx", f"< num_experts={E}"),
     ("over_capacity", moe_ep.CapacityError, "hidden", f"max_tokens_per_rank={C}"),
-    ("out_dtype", moe_ep.DTypeError, "out", "torch.bfloat16"),
+    ("out_dtype", moe_ep.DTypeError, "out", "torch.bfloat16 / torch.float16 / torch.float32"),
     ("out_shape", moe_ep.ShapeError, "out", f"[5, {H}]"),
     ("out_noncontig", moe_ep.NonContiguousError, "out", "contiguous"),
 ]
@@ -233,9 +233,18 @@ def test_backend_and_format_selection_errors(group):
     with pytest.raises(moe_ep.FormatError) as e:
         moe_ep.MoELayer(spec, _weights(), fmt="int4")
     assert e.value.argument == "fmt"
-    with pytest.raises(moe_ep.FormatError) as e:
+    with pytest.raises(moe_ep.BackendUnavailableError) as e:  # a kernel backend on this CPU: refused for the device
         moe_ep.MoELayer(spec, _weights(), backend="sm90_fp8_cutedsl", fmt="nvfp4")
-    assert e.value.argument == "fmt" and "fp8_block" in str(e.value)
+    assert e.value.argument == "backend"
+    from moe_ep.reference.backend import TorchReferenceBackend as _Ref
+
+    moe_ep.register_backend("t_bf16_entry", _Ref, arch="cpu", formats=("bf16", "fp8_block"), replace=True)
+    try:
+        with pytest.raises(moe_ep.FormatError) as e:  # a format the registry entry does not name
+            moe_ep.MoELayer(spec, _weights(), backend="t_bf16_entry", fmt="nvfp4")
+        assert e.value.argument == "fmt" and "fp8_block" in str(e.value)
+    finally:
+        moe_ep.unregister_backend("t_bf16_entry")
     with pytest.raises(moe_ep.CalibrationError) as e:
         moe_ep.MoELayer(spec, _weights(), fmt="fp8_tensor")
     assert e.value.argument == "weights.act_amax"

@@ -147,6 +147,34 @@ def test_bad_input_on_one_rank_raises_everywhere(bad_records, kind):
         assert rec[kind]["recovered"]
 
 
+@pytest.fixture(scope="module")
+def default_records():
+    return launch_function(f"{RANK_CASES}:bad_inputs_default_checks", WORLD, {"bad_rank": 2}, device=DEVICE,
+                           timeout_s=600)
+
+
+def test_first_call_is_agreed_under_the_default_checks(default_records):
+    for r, rec in enumerate(default_records):
+        err = rec["first_call"]["error"]
+        assert err is not None
+        assert (err["type"], err["argument"]) == (("ExpertIndexError", "topk_idx") if r == 2 else
+                                                  ("PeerValidationError", "topk_idx"))
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED_FORWARD))
+def test_bad_input_later_raises_on_its_rank_and_the_peers_stay_right(default_records, kind):
+    etype, argument = EXPECTED_FORWARD[kind]
+    for r, rec in enumerate(default_records):
+        got = rec[kind]
+        assert got["seconds"] < 30  # nobody waited for a peer that never came
+        if r == 2:
+            assert (got["error"]["type"], got["error"]["argument"]) == (etype, argument)
+            assert got["tokens"] == 0
+        else:
+            assert got["error"] is None, (r, got)
+            assert got["oracle_ok"] and got["tokens"] == [24, 5, 17, 0][r], (r, got)
+
+
 def test_bad_layer_arguments_are_collective(bad_records):
     for r, rec in enumerate(bad_records):
         wr = rec["wrong_rank_weights"]["error"]

@@ -90,7 +90,7 @@ def _inputs_for(kind, rank, bad_rank, problem, spec):
     if rank != bad_rank:
         return hidden, idx, w, out
     if kind == "dtype":
-        hidden = hidden.float()
+        hidden = hidden.double()
     elif kind == "shape":
         hidden = hidden[:, : H // 2].contiguous()
     elif kind == "topk":
@@ -107,7 +107,7 @@ def _inputs_for(kind, rank, bad_rank, problem, spec):
         hidden = torch.cat([hidden, hidden])
         idx, w = torch.cat([idx, idx]), torch.cat([w, w])
     elif kind == "out_dtype":
-        out = torch.empty(hidden.shape, dtype=torch.float16)
+        out = torch.empty(hidden.shape, dtype=torch.int32)
     return hidden, idx, w, out
 
 
@@ -116,14 +116,15 @@ FORWARD_KINDS = ["dtype", "shape", "topk", "device", "noncontig", "negative_id",
 
 
 def bad_inputs(bad_rank: int = 2):
-    """Each bad forward input on one rank: that rank gets its typed error, every other rank a
-    PeerValidationError naming it; then the same layer serves a good call on every rank."""
+    """Each bad forward input on one rank, with the cross-rank agreement on every call (collective_checks=True):
+    that rank gets its typed error, every other rank a PeerValidationError naming it; then the same layer serves a
+    good call on every rank."""
     ctx = init_from_env()
     spec = moe_ep.MoESpec(H, I, E, K, 24)
     problem = Problem.build(spec, ctx.world_size, [24, 5, 17, 0][: ctx.world_size], "uniform", seed=9)
     weights = problem.rank_weights(ctx.rank)
     records = {}
-    with moe_ep.MoELayer(spec, weights) as layer:
+    with moe_ep.MoELayer(spec, weights, collective_checks=True) as layer:
         for kind in FORWARD_KINDS:
             hidden, idx, w, out = _inputs_for(kind, ctx.rank, bad_rank, problem, spec)
             t0 = time.monotonic()
@@ -191,3 +192,39 @@ def absent_peer(absent_rank: int = 1):
     finally:
         print(f"rank {ctx.rank}: forward left after {time.monotonic() - t0:.1f}s", flush=True)
     return {"unexpected": "forward completed without its peer"}
+
+
+def bad_inputs_default_checks(bad_rank: int = 2):
+    """The default check schedule. A bad input on the layer's first call (agreed) raises on every rank; later, a
+    bad input on one rank raises there alone, after that rank took part with zero tokens: its peers return, and
+    their outputs match the oracle (the bad rank's experts still served their tokens)."""
+    ctx = init_from_env()
+    spec = moe_ep.MoESpec(H, I, E, K, 24)
+    problem = Problem.build(spec, ctx.world_size, [24, 5, 17, 0][: ctx.world_size], "uniform", seed=9)
+    weights = problem.rank_weights(ctx.rank)
+    records = {}
+    with moe_ep.MoELayer(spec, weights) as layer:
+        hidden, idx, w, out = _inputs_for("negative_id", ctx.rank, bad_rank, problem, spec)
+        try:
+            layer(hidden, idx, w, out=out)
+            records["first_call"] = {"error": None}
+        except moe_ep.MoEError as e:
+            records["first_call"] = {"error": error_record(e)}
+        for kind in FORWARD_KINDS:
+            hidden, idx, w, out = _inputs_for(kind, ctx.rank, bad_rank, problem, spec)
+            t0 = time.monotonic()
+            try:
+                got = layer(hidden, idx, w, out=out)
+                rec = {"error": None}
+            except moe_ep.MoEError as e:
+                rec = {"error": error_record(e)}
+                got = None
+            rec["seconds"] = time.monotonic() - t0
+            if got is None:  # the oracle of a rank that took part with no tokens: no tokens
+                hidden, idx, w = (x[:0] for x in problem.inputs(ctx.rank))
+                got = torch.empty(0, H, dtype=torch.bfloat16)
+            report = check_multirank(layer, hidden, idx, w, got, weights=weights, raise_on_failure=False)
+            rec["oracle_ok"] = report.mine(ctx.rank).ok
+            rec["tokens"] = int(hidden.shape[0])
+            records[kind] = rec
+    return records

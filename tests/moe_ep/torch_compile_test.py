@@ -33,8 +33,8 @@ def _x(t, seed=1):
 
 def test_the_op_is_registered_with_its_schema():
     schema = str(torch.ops.moe_ep.forward.default._schema)
-    assert schema.startswith("moe_ep::forward(Tensor hidden, Tensor topk_idx, Tensor topk_weights, SymInt layer)") \
-        or schema.startswith("moe_ep::forward(Tensor hidden, Tensor topk_idx, Tensor topk_weights, int layer)"), schema
+    assert re.match(r"moe_ep::forward\(Tensor hidden, Tensor topk_idx, Tensor topk_weights, (SymInt|int) layer, "
+                    r"(SymInt|int)\? max_tokens=None\) -> Tensor", schema), schema
     out_schema = str(torch.ops.moe_ep.forward_out.default._schema)
     assert re.search(r"Tensor\(a\d*!\) out", out_schema), out_schema  # the mutation is declared
 

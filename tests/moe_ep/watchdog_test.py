@@ -321,7 +321,7 @@ def test_layer_names_bounds_and_counts(group, monkeypatch):
         for _ in range(3):
             b(x, idx, w)
         with pytest.raises(moe_ep.DTypeError):
-            b(x.float(), idx, w)  # raises inside the watched call: it ends there
+            b(x.double(), idx, w)  # raises inside the watched call: it ends there
         b(x, idx, w)
         assert (b._watch.started, b._watch.returned) == (5, 5)
         assert monitor.get().depth == 0

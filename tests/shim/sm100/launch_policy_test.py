@@ -180,3 +180,26 @@ def test_forward_before_weights_is_an_error():
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_fp32_hidden_and_bf16_routing_weights_are_converted_in_their_one_copy(frontend):
+    f = frontend("bf16")
+    f.compiled = _kernel_writing_output(f, 1.0)
+    x, idx, w = _inputs(7)
+    f.forward(x.float(), idx, w.bfloat16(), torch.empty(7, GEOM["hidden"], dtype=torch.bfloat16))
+    (a,) = f.launches
+    assert torch.equal(a["activation"][:7], x)  # bf16(fp32(x)) == x: the staged rows are the rounded input
+    assert a["topk_weights"].dtype == torch.float32 and torch.equal(a["topk_weights"][:7], w.bfloat16().float())
+
+
+def test_an_expert_id_past_the_experts_never_reaches_the_kernel(frontend):
+    f = frontend("mxfp8")
+    f.compiled = _kernel_writing_output(f, 1.0)
+    x, idx, w = _inputs(4)
+    idx[2, 1] = f.spec.num_experts
+    with pytest.raises(RuntimeError, match="moe_ep: an expert id >= num_experts"):
+        f.forward(x, idx, w)
+    assert f.launches == []
+    idx[2, 1] = -1
+    f.forward(x, idx, w)
+    assert len(f.launches) == 1

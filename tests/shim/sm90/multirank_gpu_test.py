@@ -123,6 +123,7 @@ def test_cuda_graph_replay_matches_eager(layer, case_log, shared_seed):
     eager = torch.empty(t, layer.spec.hidden_size, dtype=torch.bfloat16, device=dev)
     layer(hidden, idx, w, out=eager)
     static_out = torch.full_like(eager, float("nan"))
+    saved = layer.check_values, layer.collective_checks
     layer.check_values, layer.collective_checks = False, False  # no host syncs inside a capture
     try:
         g = capture_graph(lambda: layer(hidden, idx, w, out=static_out))
@@ -137,7 +138,7 @@ def test_cuda_graph_replay_matches_eager(layer, case_log, shared_seed):
         torch.cuda.synchronize()
         same_new = torch.equal(static_out.view(torch.int16), fresh.view(torch.int16))
     finally:
-        layer.check_values, layer.collective_checks = True, True
+        layer.check_values, layer.collective_checks = saved
     case_log(suite="sm90", backend=layer.backend_name, geom=layer.geom, case="cuda_graph", T=t,
              replay_equals_eager=same, replay_with_new_inputs_equals_eager=same_new)
     assert same and same_new
