@@ -19,7 +19,7 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError,
                                 LayerClosedError, RegistrationError, RankDivergenceError, PeerLostError,
                                 DeviceUnavailableError, CheckConfigError,
-                                IntegrationError)
+                                IntegrationError, ExpertMapError, LoadCountsError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
@@ -29,12 +29,13 @@ from moe_ep.core.registry import (BackendInfo, detect_arch, list_backends, regis
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.watchdog import WATCHDOG_EXIT_CODE, watch
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.eplb import ExpertMap
 from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights
 
 __all__ = [
     "MoESpec", "ExpertWeights", "QuantizedWeights", "QuantizedActivation", "MoELayer", "MoEModule", "Backend", "RankContext", "init_from_env",
     "FORMATS", "BackendInfo", "list_backends", "register_backend", "unregister_backend", "select_backend",
-    "detect_arch", "capture_graph", "watch", "WATCHDOG_EXIT_CODE",
+    "detect_arch", "capture_graph", "watch", "WATCHDOG_EXIT_CODE", "ExpertMap",
     "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError", "NonContiguousError",
     "ExpertIndexError", "CapacityError", "SpecError", "FormatError", "CalibrationError", "WorldSizeError",
     "WeightsRankError", "ProcessGroupError", "PeerValidationError", "BackendNotFoundError",
@@ -43,4 +44,5 @@ __all__ = [
     "RankDivergenceError", "PeerLostError",
     "DeviceUnavailableError",
     "CheckConfigError", "IntegrationError",
+    "ExpertMapError", "LoadCountsError",
 ]

@@ -54,6 +54,13 @@ class Backend:
         """The quantized weights forward() actually used, canonical layout, this rank's experts."""
         raise NotImplementedError
 
+    def replace_experts(self, local_slots: List[int], weights: QuantizedWeights) -> None:
+        """Write `weights` (len(local_slots) experts, this backend's format, canonical layout; checked by the layer)
+        over this rank's slots `local_slots`, in place: the tensors forward() reads keep their addresses (compiled
+        kernels and captured graphs stay valid) and hold, for those slots, the bytes a fresh load of the same
+        experts would. Enqueued on the current stream (docs/eplb.md). Optional: a backend without it refuses swaps."""
+        raise NotImplementedError
+
     def staged_activation(self):
         """The quantized FC1 input of the last forward (a moe_ep.reference.packs.QuantizedActivation), or
         None if the backend does not keep it; the oracle then quantizes the bf16 input itself."""

@@ -19,6 +19,7 @@ __all__ = [
     "RankDivergenceError", "PeerLostError",
     "DeviceUnavailableError",
     "CheckConfigError", "IntegrationError",
+    "ExpertMapError", "LoadCountsError",
 ]
 
 
@@ -201,3 +202,13 @@ class CheckConfigError(MoEError, ValueError):
 class IntegrationError(MoEError, RuntimeError):
     """A model moe_ep.integrations cannot serve as asked: its library is missing, or a module's experts are not
     what an MoE layer computes (``argument`` names the module or the option)."""
+
+
+class ExpertMapError(MoEError, ValueError):
+    """An expert placement (moe_ep.ExpertMap) that cannot be used: a map of the wrong length, a logical expert left
+    without a slot, a replica pointing at a slot out of range or claimed twice, a map another layer size, or ranks
+    given different maps for one rearrangement. ``argument`` names the offending argument."""
+
+
+class LoadCountsError(MoEError, RuntimeError):
+    """load_counts() on a layer built without load counters (MoELayer(..., count_load=False))."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,9 @@ from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.core.validate import (check_expert_ids, check_schedule, checks_mode, validate_forward,
                                   validate_spec_for_backend, validate_weights)
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.eplb import ExpertMap, SlotRouter
+from moe_ep.eplb import placement as eplb_placement
+from moe_ep.eplb import swap as eplb_swap
 from moe_ep.formats import QuantizedWeights, check_format
 
 __all__ = ["MoELayer", "AGREED_CALLS", "CHUNKING"]
@@ -66,6 +69,13 @@ class MoELayer(LayerGeometry):
     timeout_s: the watchdog's bound on one forward (seconds; 0 turns it off; default $MOE_EP_TIMEOUT_S, else
       10 s + 2 x the slowest call so far): a call that does not finish in time ends the process with one message
       naming the layer, the call and the peers that stopped (exit code moe_ep.WATCHDOG_EXIT_CODE; docs/watchdog.md).
+    expert_map: a moe_ep.ExpertMap placing spec.num_experts logical experts on expert_map.num_slots physical slots
+      (replicas; docs/eplb.md); `weights` then holds this rank's slots (num_experts = num_slots). None: the slots are
+      the experts.
+    id_space: what topk_idx holds when an expert_map is given: "logical" (the layer maps ids to slots on the device,
+      by the replica rule in moe_ep/eplb/router.py) or "physical" (slot ids, mapped by the caller).
+    count_load: count the (token, expert) pairs this rank routes to each slot, on the device (load_counts()); default
+      True with an expert_map, else False.
     backend_options: passed to the backend's constructor.
 
     Construction and every call are collective: all ranks of the group must take part.
@@ -74,13 +84,17 @@ class MoELayer(LayerGeometry):
     def __init__(self, spec: MoESpec, weights: ExpertWeights, backend: Optional[str] = None, *, group=None,
                  device=None, fmt: Optional[str] = None, check_values: Optional[bool] = None,
                  collective_checks: Optional[bool] = None, chunking: str = "strict", out_dtype=None,
-                 name: Optional[str] = None, timeout_s: Optional[float] = None, **backend_options):
+                 name: Optional[str] = None, timeout_s: Optional[float] = None,
+                 expert_map: Optional[ExpertMap] = None, id_space: str = "logical", count_load: Optional[bool] = None,
+                 **backend_options):
         if not isinstance(spec, MoESpec):
             raise DTypeError("spec", f"expected moe_ep.MoESpec, got {type(spec).__name__}")
         ctx = RankContext.from_group(group, device)
         self.spec = spec
         self.ctx = ctx
         self._backend = None
+        self._eplb: Optional[SlotRouter] = None
+        self._swap_template = None
         self._watch = None
         self._watch_paused = False
         self.handle = op.register_layer(self)
@@ -99,9 +113,10 @@ class MoELayer(LayerGeometry):
             served = getattr(cls, "weight_formats", entry.formats)
             if f not in served:
                 raise FormatError("fmt", f"backend {entry.name!r} ({cls.__name__}) serves {list(served)}, not {f!r}")
-            validate_weights(spec, weights, ctx, f)
-            validate_spec_for_backend(spec, cls, f, ctx.world_size)
-            return entry, cls, f
+            slot_spec = eplb_placement.slot_spec(spec, ctx, expert_map, id_space, count_load)
+            validate_weights(slot_spec, weights, ctx, f)
+            validate_spec_for_backend(slot_spec, cls, f, ctx.world_size)
+            return entry, cls, f, slot_spec
 
         def forward_options():
             mode = checks_mode()
@@ -109,7 +124,7 @@ class MoELayer(LayerGeometry):
                     check_schedule(collective_checks, "collective_checks", mode),
                     _chunking_option(chunking), _out_dtype_option(out_dtype))
 
-        (entry, cls, f), bound, options = run_agreed(
+        (entry, cls, f, slot_spec), bound, options = run_agreed(
             ctx, lambda: (resolve(), watchdog.parse_timeout(timeout_s), forward_options()), "layer arguments")
         self._values_sched, self._agree_sched, self.chunking, self._out_dtype = options
         self._calls = 0
@@ -122,7 +137,11 @@ class MoELayer(LayerGeometry):
         self._weight_dtypes = getattr(cls, "routing_weight_dtypes", (torch.float32,))
         self.backend_name = entry.name
         self.fmt = f
-        self._backend = cls(spec, ctx, fmt=f, **backend_options)
+        self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
+        # What a bf16 swap quantizes with (statically scaled formats; None when the layer was given quantized bytes).
+        self._calibration = {k: getattr(weights, k, None) for k in ("act_amax", "fc2_act_amax")}
+        self._eplb = eplb_placement.router(spec, slot_spec, ctx, expert_map, id_space, count_load)
+        self._backend = cls(slot_spec, ctx, fmt=f, **backend_options)
         self._backend.prepare_weights(weights)
         self.name, self._watch = watchdog.watch_layer(name, bound, ctx.group, ctx.device)
 
@@ -136,6 +155,25 @@ class MoELayer(LayerGeometry):
     @property
     def device(self) -> torch.device:
         return self.ctx.device
+
+    @property
+    def num_slots(self) -> int:
+        """Physical expert slots over all ranks (spec.num_experts without an expert_map)."""
+        return self.backend.spec.num_experts
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.ctx.world_size
+
+    @property
+    def expert_map(self) -> Optional[ExpertMap]:
+        """The placement the layer routes by now (None: built without one; slots are experts)."""
+        return None if self._eplb is None else self._eplb.expert_map
+
+    @property
+    def id_space(self) -> str:
+        """What topk_idx holds: "logical" (mapped by the layer, or no map at all) or "physical" (slot ids)."""
+        return "logical" if self._eplb is None or self._eplb.expert_map is None else self._eplb.id_space
 
     @property
     def watch(self):
@@ -234,11 +272,11 @@ class MoELayer(LayerGeometry):
             if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
                 raise CapacityError("max_tokens_across_ranks", f"expected None or an int >= 0, got {m!r}")
             limit = m if m is not None else (_NO_LIMIT if self.chunking == "agree" else None)
-            t = validate_forward(self.spec, ctx, hidden, topk_idx, topk_weights, out, False, limit)
+            t = validate_forward(self._route_spec, ctx, hidden, topk_idx, topk_weights, out, False, limit)
             if t and not capturing and self._values_sched is not False:
                 key = (t, topk_idx.dtype)
                 if self._values_sched or not self._on_cuda or key not in self._values_seen:
-                    check_expert_ids(self.spec, topk_idx)
+                    check_expert_ids(self._route_spec, topk_idx)
                     if len(self._values_seen) >= _MAX_SEEN:
                         self._values_seen.clear()
                     self._values_seen.add(key)
@@ -312,14 +350,16 @@ class MoELayer(LayerGeometry):
             target = out
         else:
             target = torch.empty((t, self.spec.hidden_size), dtype=torch.bfloat16, device=self.ctx.device)
+        router = self._eplb  # logical ids -> slots, pairs counted, per launch (docs/eplb.md)
         if n == 1:
-            be.forward(hidden, topk_idx, topk_weights, target)
+            be.forward(hidden, topk_idx if router is None else router.route(topk_idx), topk_weights, target)
         else:
             c = self.spec.max_tokens_per_rank
             for i in range(n):
                 a = min(i * c, t)
                 b = min(a + c, t)
-                be.forward(hidden[a:b], topk_idx[a:b], topk_weights[a:b], target[a:b])
+                idx = topk_idx[a:b] if router is None else router.route(topk_idx[a:b])
+                be.forward(hidden[a:b], idx, topk_weights[a:b], target[a:b])
         if target is out or want is torch.bfloat16:
             return target
         if out is not None:
@@ -329,11 +369,37 @@ class MoELayer(LayerGeometry):
     def oracle_weights(self) -> QuantizedWeights:
         return self.backend.oracle_weights()
 
+    # -- load balancing (docs/eplb.md) ---------------------------------------------------------------------------
+    def load_counts(self, reset: bool = False, gather: bool = False) -> torch.Tensor:
+        """(token, expert) pairs this rank routed to each slot since the last reset: int64 [num_slots] on the layer's
+        device (no host sync). reset: zero the counters after reading, in stream order. gather: summed over all
+        ranks, i.e. the pairs each slot received (one all_reduce; collective)."""
+        self.backend  # noqa: B018 - a closed layer says so (LayerClosedError)
+        if self._eplb is None:
+            raise eplb_placement.no_counters()
+        return self._eplb.load_counts(self.ctx, reset, gather)
+
+    def replace_experts(self, slots, weights) -> List[int]:
+        """Collective: write new weights over this rank's local slots `slots` (ints in [0, slots_per_rank); may be
+        empty on some ranks), in place; the map is unchanged (a weight update). weights: (w13 [n, 2I, H], w2 [n, H, I])
+        bf16, quantized as the load quantizes, or a moe_ep.QuantizedWeights of this layer's fmt, written as it is.
+        Checked on every rank before anything changes. Returns the slots written."""
+        return eplb_swap.replace_experts(self, slots, weights)
+
+    def rearrange(self, expert_map: ExpertMap, weights=None) -> List[int]:
+        """Collective: install `expert_map` (the same on every rank; same size as the current one) and give every
+        slot whose logical expert changes its new expert: `weights` for this rank's changed slots in increasing slot
+        order (as in replace_experts), or None to copy the quantized bytes from slots that hold that expert now (one
+        all_to_all). Kernel tensors and the device map are written in place: captured graphs stay valid and read
+        the new placement. Returns this rank's rewritten local slots."""
+        return eplb_swap.rearrange(self, expert_map, weights)
+
     def close(self) -> None:
         op.unregister_layer(self.handle)
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        self._eplb = self._swap_template = None
         if self._backend is not None:
             try:
                 self._backend.close()

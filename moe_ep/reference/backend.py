@@ -55,6 +55,13 @@ class TorchReferenceBackend(Backend):
             raise RuntimeError("prepare_weights() has not run")
         return self._qw
 
+    def replace_experts(self, local_slots, weights: QuantizedWeights) -> None:
+        # The oracle's own tensors: rows rewritten in place, every field the load filled per expert.
+        for name in self._qw.per_expert_fields():
+            dst, src = getattr(self._qw, name), getattr(weights, name)
+            for i, s in enumerate(local_slots):
+                dst[s].copy_(src[i])
+
     def staged_activation(self) -> Optional[QuantizedActivation]:
         return self._staged
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from moe_ep.formats import QuantizedActivation, QuantizedWeights, packs
 from moe_ep.reference import ffn
 
 __all__ = ["OUTPUT_TOLERANCE", "WEIGHT_TOLERANCE", "oracle_forward", "gather_quantized_weights", "compare",
-           "RankCheck", "OracleReport", "check_multirank"]
+           "RankCheck", "OracleReport", "check_multirank", "logical_weights"]
 
 # Largest per-token relative L2 error of a backend's output against the oracle. The oracle repeats the
 # kernels' quantization steps, so what is left is fp32 accumulation order, the bf16 output rounding and, for
@@ -93,6 +93,24 @@ def gather_quantized_weights(ctx: RankContext, qw: QuantizedWeights) -> Quantize
                                           f"{parts.to(torch.float32).tolist()}")
             kw[name] = parts[0].reshape(t.shape)
     return replace(qw, expert_offset=0, **kw)
+
+
+def logical_weights(qw_all: QuantizedWeights, expert_map) -> Tuple[QuantizedWeights, List[str]]:
+    """Every slot's weights (gathered, global slot order) -> the logical model: expert e's weights are those of its
+    first replica. A replica must hold its expert's bytes exactly (a token routed to any replica gets the same
+    expert), so the problems list names every slot whose bytes differ from its expert's first replica."""
+    first = expert_map.replica_table[:, 0]
+    of_slot = first[expert_map.physical_to_logical]  # the first replica of each slot's expert
+    problems, kw = [], {}
+    for name in qw_all.per_expert_fields():
+        t = getattr(qw_all, name)
+        b = t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+        bad = (b != b[of_slot.to(b.device)]).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            problems.append(f"slot(s) {bad[:8]} hold {name} bytes that differ from their logical expert's first "
+                            f"replica (slots {of_slot[bad[:8]].tolist()})")
+        kw[name] = t.index_select(0, first.to(t.device))
+    return replace(qw_all, **kw), problems
 
 
 def _row_relative_error(out: torch.Tensor, ref: torch.Tensor):
@@ -166,14 +184,19 @@ def check_multirank(layer, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_we
                     raise_on_failure: bool = True) -> OracleReport:
     """Collective. Check this rank's `out` (from layer(hidden, topk_idx, topk_weights)) against the
     single-process oracle over every rank's reported quantized weights. weights: the canonical pack the
-    layer was built from; when given, the reported weights are checked against it too."""
+    layer was built from; when given, the reported weights are checked against it too.
+
+    A layer with an expert map (moe_ep.eplb) is checked against its logical model: the oracle routes topk_idx
+    (logical ids, or slot ids turned back into the logical ids they hold) over one copy of each logical expert,
+    and every replica must hold its expert's bytes. So a token sent to the wrong slot, or a replica holding other
+    weights, is a mismatch however the replicas are chosen; `weights` then holds this rank's slots."""
     ctx: RankContext = layer.ctx
     backend = layer.backend
     fmt = layer.fmt
     problems: List[str] = []
     qw = backend.oracle_weights()
 
-    e_local = layer.spec.num_experts // ctx.world_size
+    e_local = layer.slots_per_rank
     if qw.fmt != fmt:
         problems.append(f"backend reports fmt {qw.fmt!r}, the layer runs {fmt!r}")
     if qw.expert_offset != ctx.rank * e_local or qw.num_experts != e_local:
@@ -198,6 +221,12 @@ def check_multirank(layer, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_we
     except OracleMismatchError as e:
         qw_all = None
         problems.append(str(e))
+    expert_map = layer.expert_map
+    if qw_all is not None and expert_map is not None:
+        qw_all, replica_problems = logical_weights(qw_all, expert_map)
+        problems += replica_problems
+        if layer.id_space == "physical":
+            topk_idx = expert_map.logical_ids(topk_idx)
 
     act = backend.staged_activation()
     act_err = 0.0

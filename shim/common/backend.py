@@ -188,6 +188,17 @@ class KernelBackend(Composed, LayerGeometry, Backend):
         return self.frontend.weights.canonical()
 
     @final
+    def replace_experts(self, local_slots, weights: QuantizedWeights) -> None:
+        # Into the tensors the compiled kernel and every captured graph already point at, through the arch's own
+        # packer (shim/<arch>/weights.py: <Arch>KernelWeights.replace_experts): same addresses, a fresh load's bytes.
+        kernel_weights = self.frontend.weights
+        write = getattr(kernel_weights, "replace_experts", None)
+        if write is None:
+            raise BackendUnavailableError("backend", f"{self.name!r} ({type(kernel_weights).__name__}) cannot "
+                                                     "replace experts in place yet")
+        write(local_slots, weights)
+
+    @final
     def staged_activation(self) -> QuantizedActivation:
         return self.frontend.staged_activation(self._last_t)
 

@@ -151,6 +151,24 @@ class Sm100KernelWeights:
                                 act_scale=self.act_scale, fc2_act_scale=self.fc2_act_scale,
                                 expert_offset=self.expert_offset)
 
+    # The fields with one entry per expert (dim 0); act_scale is the layer's one static FC1-input scale.
+    PER_EXPERT = ("fc1", "fc2", "fc1_sf", "fc2_sf", "fc1_alpha", "fc2_alpha", "fc1_norm_const", "w13_global_scale",
+                  "w2_global_scale", "fc2_act_scale")
+
+    def replace_experts(self, slots, qw: QuantizedWeights) -> None:
+        """Write qw's experts (canonical, this format) over experts `slots`, in place: laid out by the load's own
+        packer (_lay_out; every layout step is per expert), then copied row by row into the kernel's tensors, which
+        keep their addresses. The static FC1-input scale is the layer's and stays."""
+        fresh = _lay_out(qw)
+        for name in self.PER_EXPERT:
+            dst, src = getattr(self, name), getattr(fresh, name)
+            if dst is None:
+                continue
+            if dst.element_size() == 1:  # e2m1 pairs / e4m3 / e8m0: copied as bytes
+                dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+            for i, s in enumerate(slots):
+                dst[s].copy_(src[i])
+
 
 def _lay_out(qw: QuantizedWeights) -> Sm100KernelWeights:
     fmt = qw.fmt

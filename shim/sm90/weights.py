@@ -58,6 +58,27 @@ class Sm90KernelWeights:
         return QuantizedWeights("fp8_block", w13, w2, self.fc1_scale, self.fc2_scale,
                                 expert_offset=self.expert_offset)
 
+    def replace_experts(self, slots, qw: QuantizedWeights) -> None:
+        """Write qw's experts (canonical, this format) over experts `slots`, in place, packed as prepare_weights
+        packs them: the kernel's tensors keep their addresses and hold a fresh load's bytes for those experts. The
+        per-tensor dequant scales are ones for every expert and stay as they are."""
+        storage = self.fc1.transpose(1, 2), self.fc2.transpose(1, 2)
+        for i, s in enumerate(slots):
+            _store(self.fmt, *storage, self.fc1_scale, self.fc2_scale, slice(s, s + 1), qw.experts(slice(i, i + 1)))
+
+
+def _store(fmt: str, fc1: torch.Tensor, fc2: torch.Tensor, fc1_scale, fc2_scale, rows: slice,
+           qw: QuantizedWeights) -> None:
+    """Lay qw's experts (canonical) into experts `rows` of the K-major storage fc1 [E, 2I, H] / fc2 [E, H, I] (and the
+    FP8 scale grids): the one packer of both the load and a swap."""
+    if fmt == "bf16":
+        fc1[rows].copy_(codecs.interleave_gate_up(qw.w13_q))
+    else:
+        fc1[rows].view(torch.uint8).copy_(codecs.interleave_gate_up(qw.w13_q.view(torch.uint8)))
+        fc1_scale[rows].copy_(qw.w13_scale)
+        fc2_scale[rows].copy_(qw.w2_scale)
+    fc2[rows].copy_(qw.w2_q)
+
 
 def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch.device, *,
                     expert_offset: int = 0, chunk_bytes: int = 1 << 30) -> Sm90KernelWeights:
@@ -72,6 +93,7 @@ def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch
     fc1 = torch.empty((e, n2, h), dtype=q_dtype, device=device)  # K-major storage, gate/up interleaved
     fc2 = torch.empty((e, h, i), dtype=q_dtype, device=device)
     fp8 = fmt != "bf16"
+    fc1_scale = fc2_scale = None
     if fp8:
         fc1_scale = torch.empty((e, n2 // 128, h // 128), dtype=torch.float32, device=device)
         fc2_scale = torch.empty((e, h // 128, i // 128), dtype=torch.float32, device=device)
@@ -79,13 +101,7 @@ def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch
     for lo in range(0, e, step):
         sl = slice(lo, min(e, lo + step))
         qw = quantize_weights(fmt, w13[sl].to(device), w2[sl].to(device))
-        if fp8:
-            fc1[sl].view(torch.uint8).copy_(codecs.interleave_gate_up(qw.w13_q.view(torch.uint8)))
-            fc1_scale[sl].copy_(qw.w13_scale)
-            fc2_scale[sl].copy_(qw.w2_scale)
-        else:
-            fc1[sl].copy_(codecs.interleave_gate_up(qw.w13_q))
-        fc2[sl].copy_(qw.w2_q)
+        _store(fmt, fc1, fc2, fc1_scale, fc2_scale, sl, qw)
         del qw
     if not fp8:
         return Sm90KernelWeights("bf16", expert_offset, fc1.permute(0, 2, 1), fc2.permute(0, 2, 1))

@@ -1,0 +1,63 @@
+"""Experts swapped in place in the Hopper kernel layouts (Sm90KernelWeights.replace_experts, moe_ep's EPLB swap): the
+kernel tensors keep their addresses and, byte for byte, equal a fresh prepare_weights of the new expert set -- from
+bf16 through the format quantizer and from already-quantized weights alike; nothing outside the chosen experts moves."""
+import pytest
+import torch
+
+from moe_ep.formats import quantize_weights
+from shim.sm90 import weights
+
+FIELDS = ("fc1", "fc2", "fc1_scale", "fc2_scale", "fc1_act_dequant", "fc1_w_dequant", "fc2_act_dequant",
+          "fc2_w_dequant")
+
+
+def _w(e, h=256, i=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=g) / 16
+    w2 = torch.randn(e, h, i, generator=g) / 16
+    w2[e - 1, 7, 5] = 40.0  # an outlier sets its block's scale
+    return w13.bfloat16(), w2.bfloat16()
+
+
+def _bytes(t):
+    return t.transpose(-1, -2).contiguous().view(torch.uint8) if t.dim() == 3 else t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "bf16"])
+def test_a_swap_leaves_the_bytes_of_a_fresh_load_at_the_same_addresses(fmt):
+    w13, w2 = _w(5)
+    n13, n2 = _w(2, seed=1)
+    kw = weights.prepare_weights(fmt, w13, w2, torch.device("cpu"), expert_offset=5)
+    before = {f: (getattr(kw, f).data_ptr(), _bytes(getattr(kw, f)).clone())
+              for f in FIELDS if getattr(kw, f) is not None}
+    slots = [3, 0]
+    kw.replace_experts(slots, quantize_weights(fmt, n13, n2))
+    want13, want2 = w13.clone(), w2.clone()
+    want13[slots], want2[slots] = n13, n2
+    fresh = weights.prepare_weights(fmt, want13, want2, torch.device("cpu"), expert_offset=5)
+    for f, (ptr, old) in before.items():
+        got = getattr(kw, f)
+        assert got.data_ptr() == ptr, f  # written in place: the compiled kernel's arguments stay valid
+        assert torch.equal(_bytes(got), _bytes(getattr(fresh, f))), (fmt, f)
+        untouched = [e for e in range(5) if e not in slots]
+        if got.dim() == 3:
+            assert torch.equal(_bytes(got)[untouched], old[untouched]), f
+    assert kw.canonical().expert_offset == 5
+
+
+def test_quantized_input_is_written_as_it_is():
+    """QuantizedWeights go in without requantization: bytes that no bf16 tensor quantizes to stay those bytes."""
+    w13, w2 = _w(3)
+    kw = weights.prepare_weights("fp8_block", w13, w2, torch.device("cpu"))
+    qw = quantize_weights("fp8_block", *_w(1, seed=2))
+    qw.w13_scale.mul_(3.0)  # not what the quantizer would pick for these codes
+    qw.w2_q.view(torch.uint8)[0, :4, :4] = 0x3C  # arbitrary e4m3 codes
+    kw.replace_experts([1], qw)
+    got = kw.canonical()
+    for name in ("w13_q", "w2_q", "w13_scale", "w2_scale"):
+        a, b = getattr(got, name)[1], getattr(qw, name)[0]
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), name
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
