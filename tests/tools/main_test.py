@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_model_mode_prints_both_generations_and_their_agreement():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in sys.path if p]))
+    # `python -m` from ROOT puts ROOT on the child's path itself; the rest of this process's path is forwarded.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     res = subprocess.run([sys.executable, "-m", "tools.main", "--model", "qwen3_moe", "--new-tokens", "6"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout
