@@ -249,5 +249,5 @@ def select_backend(arch: str, fmt: Optional[str] = None, *, fallback: str = "tor
 
 # The torch reference is moe_ep's own; the kernel backends come from the format tables (KERNEL_TABLES).
 _add("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
-     formats=("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4"),
+     formats=("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4", "w4a8_mxfp4", "w4a8_nvfp4"),
      description="exact EP semantics in torch over torch.distributed; the oracle")

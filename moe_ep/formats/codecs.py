@@ -26,6 +26,8 @@ __all__ = [
     "mxfp8_quantize", "e8m0_to_float", "mxfp8_dequantize",
     "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_dequantize_raw",
     "nvfp4_dequantize", "nvfp4_alpha",
+    "MXFP4_MAX_SCALE_RANGE", "W4A8_FC2_SAFE_AMAX", "mxfp4_quantize", "mxfp4_dequantize", "mxfp4_limit_scale_range",
+    "mxfp4_kernel_operand", "w4a8_nvfp4_kernel_operand",
 ]
 
 FP8 = torch.float8_e4m3fn
@@ -38,9 +40,15 @@ FP8_BLOCK_EPS = 1.0e-30   # hopper_moe_utils.Fp8BlockScaleEpsilon
 FP8_TENSOR_EPS = 1.0e-12  # hopper_moe_utils.Fp8PerTensorScaleEpsilon
 FP8_TENSOR_OUTPUT_MARGIN = 0.95  # hopper_moe_utils.Fp8PerTensorOutputQuantMargin
 FP8_GATE_UP_INTERLEAVE = 8  # Fp8GateUpInterleave: the FP8 kernel's FC1 row interleave
-MX_BLOCK = 32             # Mxfp8BlockSize
+MX_BLOCK = 32             # Mxfp8BlockSize; also MXFP4's scale block (mxfp4_cutedsl.MXFP4_GROUP_SIZE)
 NVFP4_BLOCK = 16          # Nvfp4BlockSize
 _FP32_MAX = torch.finfo(torch.float32).max
+# The SM90 W4A8 conversion (moe_hopper_fp8/mxfp4_cutedsl.py convert_mxfp4_pair_preprocessed_signs) turns an
+# e2m1 value into e4m3 by adding an exponent offset in [1, 12]: a (expert, weight tensor) can span 11 binades of
+# e8m0 scales; lower scales are raised to the floor (Humming's range clamp).
+MXFP4_MAX_SCALE_RANGE = 11
+# (below, floor) of the W4A8 FC2-input quantizer's tiny-amax branch (epilogue_fp8_swapab._mxfp4_safe_scale_pair).
+W4A8_FC2_SAFE_AMAX = (448.0e-30, 1.3165537626040637e-36)
 
 
 _INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)  # fl32(1/448)
@@ -64,17 +72,29 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- fp8 block
-def fp8_quantize_rows(x: torch.Tensor, block_k: int, reciprocal: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_rows(x: torch.Tensor, block_k: int, reciprocal: bool = False,
+                      tiny_safe: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (e4m3 [M, K], fp32 scales [M, K/block_k]); scale = max(amax * fl32(1/448), 1e-30).
 
     reciprocal=True multiplies by 1/scale (the kernel's FC2-input requantization), False divides (the FC1
-    input, staged by the host)."""
+    input, staged by the host). tiny_safe (with reciprocal; the W4A8 kernel's FC2 input): a block whose amax is
+    positive but below 448e-30 gets quant = 448 / max(amax, W4A8_FC2_SAFE_AMAX[1]) and scale = 1 / quant
+    instead, so its values keep their resolution rather than sit on the 1e-30 floor."""
     m, k = x.shape
     blocks = x.to(torch.float32).reshape(m, k // block_k, block_k)
     absmax = blocks.abs().amax(dim=-1)
     scale = torch.clamp(_over_e4m3_max(absmax), min=FP8_BLOCK_EPS).to(torch.float32)
-    sv = scale.unsqueeze(-1)
-    scaled = blocks * torch.reciprocal(sv) if reciprocal else blocks / sv
+    if reciprocal:
+        inv = torch.reciprocal(scale)
+        if tiny_safe:
+            below, floor = (torch.tensor(v, dtype=torch.float32, device=x.device) for v in W4A8_FC2_SAFE_AMAX)
+            tiny = (absmax > 0) & (absmax < below)
+            quant = torch.tensor(E4M3_MAX, dtype=torch.float32, device=x.device) / torch.maximum(absmax, floor)
+            inv = torch.where(tiny, quant, inv)
+            scale = torch.where(tiny, torch.reciprocal(quant), scale)
+        scaled = blocks * inv.unsqueeze(-1)
+    else:
+        scaled = blocks / scale.unsqueeze(-1)
     return to_e4m3(scaled.reshape(m, k)), scale
 
 
@@ -266,3 +286,106 @@ def nvfp4_dequantize(codes: torch.Tensor, sf: torch.Tensor, global_scale: torch.
 def nvfp4_alpha(g_a: torch.Tensor, g_b: torch.Tensor) -> torch.Tensor:
     """The GEMM epilogue's alpha (the drop's fc1_alpha / fc2_alpha): 1 / (g_a * g_b) in fp32."""
     return torch.reciprocal(g_a.to(torch.float32) * g_b.to(torch.float32))
+
+
+# ------------------------------------------------------------------------------------------------- mxfp4
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    return torch.pow(2.0, exponent.to(torch.float32))
+
+
+def _mxfp4_scale_floor(code: torch.Tensor, max_range: int) -> torch.Tensor:
+    """Per leading index (expert), the kernel's lowest code: max(min code, max code - max_range) over every
+    block of that expert's tensor, the NaN code 255 left out (Humming's range clamp, as FlashInfer's
+    prepare.py states it)."""
+    c = code.to(torch.int32).reshape(code.shape[0], -1)
+    finite = c != 255
+    top = torch.where(finite, c, torch.full_like(c, -1)).amax(dim=1)
+    low = torch.where(finite, c, torch.full_like(c, 256)).amin(dim=1)
+    lo = torch.where(top < 0, torch.zeros_like(top), torch.maximum(low, top - max_range))
+    return lo.reshape((-1,) + (1,) * (code.dim() - 1))
+
+
+def mxfp4_quantize(w: torch.Tensor, max_range: int = MXFP4_MAX_SCALE_RANGE) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (e2m1 codes uint8 [E, N, K], e8m0 [E, N, K/32]).
+
+    code = clamp(ceil(log2(amax / 6)) + 127, 0, 254) (the power of two that puts the block's largest value at
+    or below 6, so nothing saturates; 0 for an all-zero block), then raised to its expert's floor, max code -
+    max_range (the kernel's exponent window, MXFP4_MAX_SCALE_RANGE); q = e2m1(x / 2^(code-127)), round to
+    nearest even. A NaN block gets code 255 and zero codes."""
+    *lead, k = w.shape
+    blocks = w.to(torch.float32).reshape(*lead, k // MX_BLOCK, MX_BLOCK)
+    absmax = blocks.abs().amax(dim=-1)
+    nan = torch.isnan(absmax)
+    exp = torch.ceil(torch.log2(torch.clamp(absmax, min=1e-38) / E2M1_MAX))
+    code = torch.clamp(torch.where(nan, torch.zeros_like(exp), exp) + 127.0, min=0.0, max=254.0).to(torch.int32)
+    code = torch.where(absmax == 0, torch.zeros_like(code), code)
+    code = torch.where(nan, torch.full_like(code, 255), code)
+    code = torch.where(code == 255, code, torch.maximum(code, _mxfp4_scale_floor(code, max_range)))
+    scaled = blocks / _pow2(torch.where(code == 255, torch.full_like(code, 127), code) - 127).unsqueeze(-1)
+    q = e2m1_encode(torch.nan_to_num(scaled, nan=0.0).reshape(*lead, k))
+    return q, code.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def mxfp4_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e2m1(q) * 2^(code-127), exact (code 255: NaN)."""
+    return e2m1_decode(codes) * e8m0_to_float(scale).repeat_interleave(MX_BLOCK, dim=-1)
+
+
+def _shrink_table(device) -> torch.Tensor:
+    """[6, 16]: the e2m1 code of value(code) / 2^delta, nearest, ties away from zero (Humming's rewrite rule,
+    process_mxfp4.cuh via FlashInfer's prepare.py), for delta 0..5; a zero result is +0. delta >= 5 rounds
+    every value to zero (6 / 32 < 0.25), so row 5 serves every larger delta."""
+    vals = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    out = torch.zeros((6, 16), dtype=torch.uint8)
+    for d in range(6):
+        for c in range(16):
+            v = abs(float(E2M1_VALUES[c & 7])) / 2 ** d
+            dist = (vals - v).abs()
+            best = float(dist.min())
+            idx = int(torch.nonzero(dist == best).max())  # of two equally near values, the larger magnitude
+            out[d, c] = idx | (8 if (c & 8) and idx else 0)
+    return out.to(device)
+
+
+def mxfp4_limit_scale_range(codes: torch.Tensor, scale: torch.Tensor,
+                            max_range: int = MXFP4_MAX_SCALE_RANGE) -> Tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 pack [E, N, K] whose scales span more than `max_range` binades per expert -> the pack the kernel
+    can carry: each scale below the floor is raised to it and its block's codes rewritten for the larger scale
+    (value / 2^delta, nearest, ties away from zero). Identity on packs already within range (mxfp4_quantize's)."""
+    code = scale.view(torch.uint8).to(torch.int32)
+    lo = _mxfp4_scale_floor(code, max_range)
+    raised = torch.where(code == 255, code, torch.maximum(code, lo))
+    delta = (raised - code).clamp(max=5).repeat_interleave(MX_BLOCK, dim=-1)
+    if not bool((delta > 0).any()):
+        return codes, scale
+    table = _shrink_table(codes.device)
+    new = torch.where(delta > 0, table[delta.to(torch.int64), codes.to(torch.int64)], codes)
+    return new, raised.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def mxfp4_kernel_operand(codes: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One expert's MXFP4 weight [N, K] as the SM90 W4A8 kernel multiplies it: (operand fp32 [N, K], residual
+    fp32 scalar) with operand * residual == the dequantized weight, exactly.
+
+    The kernel converts each e2m1 value to e4m3 as value * 2^(offset - 6), offset = code - lo + 1 (1..12, lo =
+    the expert's scale floor), so every operand is an exact e4m3 value; the FP32 residual 2^(lo - 127 - 1) * 2^6
+    multiplies the accumulator in the epilogue (Humming's residual and its fixed 2^6 compensation). The range
+    clamp is applied first (identity on packs within range)."""
+    codes, scale = mxfp4_limit_scale_range(codes.unsqueeze(0), scale.unsqueeze(0))
+    code = scale.view(torch.uint8).to(torch.int32)
+    lo = _mxfp4_scale_floor(code, MXFP4_MAX_SCALE_RANGE)
+    shift = (code - lo - 5).repeat_interleave(MX_BLOCK, dim=-1)
+    operand = e2m1_decode(codes) * _pow2(shift)
+    operand = torch.where((code == 255).repeat_interleave(MX_BLOCK, dim=-1), torch.full_like(operand, float("nan")),
+                          operand)
+    return operand[0], _pow2(lo.reshape(()) - 122)
+
+
+def w4a8_nvfp4_kernel_operand(codes: torch.Tensor, sf: torch.Tensor,
+                              global_scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One expert's NVFP4 weight [N, K] as an SM90 W4A8 kernel multiplies it: the FP8 operand e4m3(q * sf / 8)
+    (rounded to nearest even: the product of an e2m1 value and an e4m3 scale needs up to five significant bits)
+    and the residual 8 / g, restored on the accumulator (FlashInfer 0.7.4's Hopper NVFP4 x FP8 contract:
+    kernel_src/sm90/pull_style_cutedsl_megakernel/shim/nvfp4_kernels.py and its backend's weights.py)."""
+    operand = to_e4m3(nvfp4_dequantize_raw(codes, sf) * 0.125).to(torch.float32)
+    return operand, torch.reciprocal(global_scale.to(torch.float32).reshape(())) * 8.0

@@ -17,12 +17,15 @@ from moe_ep.core.errors import CalibrationError
 from moe_ep.formats.codecs import (FP8_ACT_BLOCK_K, FP8_WEIGHT_BLOCK, fp8_dequantize_blocks_nk, fp8_dequantize_rows,
                                    fp8_quantize_blocks_nk, fp8_quantize_per_expert, fp8_quantize_rows,
                                    fp8_quantize_static, fp8_quantize_w13_blocks, fp8_tensor_scale_from_amax,
-                                   mxfp8_dequantize, mxfp8_quantize, nvfp4_dequantize, nvfp4_global_scale,
-                                   nvfp4_quantize, w13_block_rows)
+                                   mxfp4_dequantize, mxfp4_quantize, mxfp8_dequantize, mxfp8_quantize,
+                                   nvfp4_dequantize, nvfp4_global_scale, nvfp4_quantize, w13_block_rows)
 from moe_ep.formats.table import check_format, format_info
 
 __all__ = ["QuantizedWeights", "QuantizedActivation", "quantize_weights", "dequantize_weights", "quantize_input",
-           "dequantize_input"]
+           "dequantize_input", "W4A8_FORMATS"]
+
+# Formats whose weights are 4-bit and whose activations are e4m3 with one scale per token (SM90 mixed input).
+W4A8_FORMATS = ("w4a8_mxfp4", "w4a8_nvfp4")
 
 
 @dataclass
@@ -41,6 +44,12 @@ class QuantizedWeights:
                  w13_scale [E,2I,H/16], w2_scale [E,H,I/16] float8_e4m3fn; w13_global_scale/w2_global_scale
                  [E] fp32; act_scale (1,) is the FC1-input global scale; fc2_act_scale [E] the FC2-input
                  global scale per expert.  dequant = q * scale / global_scale.
+      w4a8_mxfp4 w13_q/w2_q uint8 e2m1 codes, one per byte (as nvfp4); w13_scale [E,2I,H/32], w2_scale
+                 [E,H,I/32] float8_e8m0fnu, each expert's codes within MXFP4_MAX_SCALE_RANGE (11) of its largest
+                 (quantize_weights keeps to it; codecs.mxfp4_limit_scale_range brings any pack into it).
+                 dequant = e2m1(q) * 2^(code-127).  No activation scales (dynamic, per token).
+      w4a8_nvfp4 the nvfp4 weight fields (codes, e4m3 scales per 16, w13/w2_global_scale [E]); no activation
+                 scales (dynamic, per token).  dequant = q * scale / global_scale.
     expert_offset: global id of expert 0 of this pack.
     """
 
@@ -100,8 +109,8 @@ class QuantizedWeights:
 @dataclass
 class QuantizedActivation:
     """Activations as a kernel reads them: q [T, H] (bf16 | e4m3 | e2m1 codes) and per-row block scales
-    (fp8_block fp32 [T, H/128], mxfp8 e8m0 [T, H/32], nvfp4 e4m3 [T, H/16]; None for bf16 / fp8_tensor,
-    whose static scale lives in QuantizedWeights.act_scale)."""
+    (fp8_block fp32 [T, H/128], mxfp8 e8m0 [T, H/32], nvfp4 e4m3 [T, H/16], w4a8_* fp32 [T, 1]; None for bf16 /
+    fp8_tensor, whose static scale lives in QuantizedWeights.act_scale)."""
 
     fmt: str
     q: torch.Tensor
@@ -136,16 +145,28 @@ def quantize_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, *, act_amax:
         q13, s13 = mxfp8_quantize(w13)
         q2, s2 = mxfp8_quantize(w2)
         return QuantizedWeights(fmt, q13, q2, s13, s2, expert_offset=expert_offset)
-    # nvfp4
+    if fmt == "w4a8_mxfp4":
+        q13, s13 = mxfp4_quantize(w13)
+        q2, s2 = mxfp4_quantize(w2)
+        return QuantizedWeights(fmt, q13, q2, s13, s2, expert_offset=expert_offset)
     e = w13.shape[0]
-    g13 = nvfp4_global_scale(w13.to(torch.float32).abs().reshape(e, -1).amax(dim=1))
-    g2 = nvfp4_global_scale(w2.to(torch.float32).abs().reshape(e, -1).amax(dim=1))
-    q13, s13 = nvfp4_quantize(w13, g13.reshape(e, 1, 1))
-    q2, s2 = nvfp4_quantize(w2, g2.reshape(e, 1, 1))
+    (q13, s13, g13), (q2, s2, g2) = _nvfp4_weight(w13), _nvfp4_weight(w2)
+    if fmt == "w4a8_nvfp4":
+        return QuantizedWeights(fmt, q13, q2, s13, s2, g13, g2, expert_offset=expert_offset)
+    # nvfp4
     g_in = nvfp4_global_scale(torch.tensor(float(act_amax))).reshape(1).to(dev)
     g_fc2 = nvfp4_global_scale(torch.full((e,), float(fc2_act_amax))).to(dev)
     return QuantizedWeights(fmt, q13, q2, s13, s2, g13, g2, act_scale=g_in, fc2_act_scale=g_fc2,
                             expert_offset=expert_offset)
+
+
+def _nvfp4_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (e2m1 codes, e4m3 scales per 16, global scale [E] = 448 * 6 / amax of each expert): the NVFP4
+    weight codec nvfp4 and w4a8_nvfp4 share."""
+    e = w.shape[0]
+    g = nvfp4_global_scale(w.to(torch.float32).abs().reshape(e, -1).amax(dim=1))
+    q, sf = nvfp4_quantize(w, g.reshape(e, 1, 1))
+    return q, sf, g
 
 
 def dequantize_weights(qw: QuantizedWeights) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +183,8 @@ def dequantize_weights(qw: QuantizedWeights) -> Tuple[torch.Tensor, torch.Tensor
                 qw.w2_q.to(torch.float32) * qw.w2_scale.reshape(-1, 1, 1))
     if f == "mxfp8":
         return mxfp8_dequantize(qw.w13_q, qw.w13_scale), mxfp8_dequantize(qw.w2_q, qw.w2_scale)
+    if f == "w4a8_mxfp4":
+        return mxfp4_dequantize(qw.w13_q, qw.w13_scale), mxfp4_dequantize(qw.w2_q, qw.w2_scale)
     return (nvfp4_dequantize(qw.w13_q, qw.w13_scale, qw.w13_global_scale.reshape(-1, 1, 1)),
             nvfp4_dequantize(qw.w2_q, qw.w2_scale, qw.w2_global_scale.reshape(-1, 1, 1)))
 
@@ -179,6 +202,10 @@ def quantize_input(qw: QuantizedWeights, hidden: torch.Tensor) -> QuantizedActiv
     if f == "mxfp8":
         q, s = mxfp8_quantize(hidden)
         return QuantizedActivation(f, q, s)
+    if f in W4A8_FORMATS:
+        # One block spanning the row: the kernels' per-token FC1 input scale (staged by the host).
+        q, s = fp8_quantize_rows(hidden, hidden.shape[1], reciprocal=False)
+        return QuantizedActivation(f, q, s)
     q, s = nvfp4_quantize(hidden, qw.act_scale.reshape(1, 1))
     return QuantizedActivation(f, q, s)
 
@@ -193,4 +220,6 @@ def dequantize_input(qw: QuantizedWeights, act: QuantizedActivation) -> torch.Te
         return act.q.to(torch.float32) * qw.act_scale.reshape(())
     if f == "mxfp8":
         return mxfp8_dequantize(act.q, act.scale)
+    if f in W4A8_FORMATS:
+        return act.q.to(torch.float32) * act.scale.to(torch.float32)
     return nvfp4_dequantize(act.q, act.scale, qw.act_scale.reshape(1, 1))

@@ -7,6 +7,10 @@ A format names both the expert weights' and the activations' encoding, as the ke
   fp8_tensor  e4m3; one fp32 scale per expert weight, static (calibrated) activation scales.
   mxfp8       e4m3 with one e8m0 (power of two) scale per 32 along K, activations and weights.
   nvfp4       e2m1 with one e4m3 scale per 16 along K and an fp32 global scale per tensor.
+  w4a8_mxfp4  weights e2m1 + e8m0 scale per 32 along K (at most 11 binades of scales per expert weight tensor);
+              activations e4m3 with one fp32 scale per token, the FC2 input 1x64 per (token, topk).
+  w4a8_nvfp4  weights e2m1 + e4m3 scale per 16 along K + fp32 global scale per expert (nvfp4's weight codec);
+              activations as w4a8_mxfp4.
 """
 
 from __future__ import annotations
@@ -36,6 +40,13 @@ _INFO: Dict[str, FormatInfo] = {
     "fp8_tensor": FormatInfo("fp8_tensor", 1, 1, True, "e4m3, per-expert weight scale, static activation scales"),
     "mxfp8": FormatInfo("mxfp8", 32, 32, False, "e4m3 + e8m0 scale per 32 along K"),
     "nvfp4": FormatInfo("nvfp4", 16, 16, True, "e2m1 + e4m3 scale per 16 along K + fp32 global scale"),
+    # W4A8: 4-bit weights widened to e4m3 inside the kernel, FP8 activations. K of FC1 (H) is cut by the weight
+    # scale block; FC2's K (I) by the FC2 input's 64-blocks.
+    "w4a8_mxfp4": FormatInfo("w4a8_mxfp4", 32, 64, False,
+                             "e2m1 weights + e8m0 scale per 32 along K; e4m3 activations, per-token scale"),
+    "w4a8_nvfp4": FormatInfo("w4a8_nvfp4", 16, 64, False,
+                             "e2m1 weights + e4m3 scale per 16 along K + fp32 global scale; e4m3 activations, "
+                             "per-token scale"),
 }
 
 FORMATS: Tuple[str, ...] = tuple(_INFO)

@@ -29,7 +29,7 @@ __all__ = ["TorchReferenceBackend"]
 class TorchReferenceBackend(Backend):
     name = "torch_reference"
     arch = "cpu"
-    weight_formats = ("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4")
+    weight_formats = ("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4", "w4a8_mxfp4", "w4a8_nvfp4")
 
     def __init__(self, spec, ctx, fmt: Optional[str] = None, apply_topk_in_fc1: bool = True,
                  keep_staged: bool = True, carry_fingerprint: bool = True):

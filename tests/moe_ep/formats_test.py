@@ -266,7 +266,7 @@ def _weights(e=2, i=128, h=256, seed=5):
             (torch.randn(e, h, i, generator=g) * i ** -0.5).bfloat16())
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4", "w4a8_mxfp4", "w4a8_nvfp4"])
 def test_weight_round_trip_within_format_error(fmt):
     w13, w2 = _weights()
     qw = packs.quantize_weights(fmt, w13, w2, act_amax=4.0, fc2_act_amax=1.0)
@@ -279,7 +279,7 @@ def test_weight_round_trip_within_format_error(fmt):
             assert err > 1e-3  # it did quantize
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor", "mxfp8", "nvfp4", "w4a8_mxfp4", "w4a8_nvfp4"])
 def test_nan_in_input_is_never_silently_finite(fmt):
     w13, w2 = _weights()
     qw = packs.quantize_weights(fmt, w13, w2, act_amax=4.0, fc2_act_amax=1.0)

@@ -49,7 +49,8 @@ def _rel(a, b):
 # Bounds: the format's quantization of activations, weights and the FC2 input, compounded (e4m3 ~2.7% per
 # quantized operand in L2, e2m1 ~9.5%).
 @pytest.mark.parametrize("fmt, bound", [("bf16", 1e-2), ("fp8_block", 1e-1), ("fp8_tensor", 1e-1),
-                                        ("mxfp8", 1e-1), ("nvfp4", 3e-1)])
+                                        ("mxfp8", 1e-1), ("nvfp4", 3e-1), ("w4a8_mxfp4", 3e-1),
+                                        ("w4a8_nvfp4", 3e-1)])
 @pytest.mark.parametrize("apply_topk", [True, False])
 def test_oracle_is_the_moe(fmt, bound, apply_topk):
     w13, w2, x, idx, w = _problem()
