@@ -1,4 +1,5 @@
-"""Canonical bf16 expert weights -> the Hopper kernels' weight layouts (FP8 blockwise, BF16), and back.
+"""Canonical bf16 expert weights -> the Hopper kernels' weight layouts (FP8 blockwise and per-tensor, BF16), and
+back. (W4A8's packed 4-bit layout: shim/sm90/w4a8_weights.py.)
 
 The quantization is moe_ep's format quantizer (`moe_ep.formats.quantize_weights`), so the kernel computes
 with exactly the bytes the oracle checks against. This module only lays them out (facts from the drop's
@@ -9,7 +10,10 @@ runners and kernels, 0.7.2.post1 and 0.7.4):
   * FP8: scales [E, 2I/128, H/128] over the interleaved rows (a block spans 64 gate and 64 up rows, so the
     same grid is the canonical fp8_block w13_scale);
   * FC2 as an (E, I, H) view of [E, H, I] storage (I stride 1); FP8 scales [E, H/128, I/128];
-  * FP8 per-tensor dequant scales: ones (read only by the per-tensor program).
+  * FP8 per-tensor dequant scales: ones for blockwise (read only by the per-tensor program); for fp8_tensor the
+    format's per-expert weight scales and static activation scales, with the blockwise scale slots given
+    e8m0 ones of the runner's swizzled shape (E, round_up(N, 128) * round_up(K/32, 4)), which that program
+    does not read (megamoe_kernel_fp8.py: "(E, flat_sf) padded/swizzled E8M0 placeholder, unused").
 
 Nothing is held twice: `Sm90KernelWeights.canonical()` reads the oracle's view back from the tensors the
 kernel is handed (FC2 is a view of the same storage, FC1 is de-interleaved into a temporary), as on sm100.
@@ -22,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from moe_ep.core.errors import FormatError
 from moe_ep.formats import QuantizedWeights, codecs, quantize_weights
 
 __all__ = ["GATE_UP_INTERLEAVE", "Sm90KernelWeights", "prepare_weights", "placeholder_weights"]
@@ -29,15 +34,24 @@ __all__ = ["GATE_UP_INTERLEAVE", "Sm90KernelWeights", "prepare_weights", "placeh
 GATE_UP_INTERLEAVE = codecs.FP8_GATE_UP_INTERLEAVE  # checked against the drop's constant at kernel build
 
 
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _e8m0_placeholder(e: int, n: int, k: int, device) -> torch.Tensor:
+    flat = _round_up(n, 128) * _round_up((k + 31) // 32, 4)
+    return torch.full((e, flat), 127, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
+
+
 @dataclass
 class Sm90KernelWeights:
-    fmt: str  # "fp8_block" | "bf16"
+    fmt: str  # "fp8_block" | "fp8_tensor" | "bf16"
     expert_offset: int
     fc1: torch.Tensor  # (E, H, 2I) view, H stride 1, gate/up interleaved
     fc2: torch.Tensor  # (E, I, H) view, I stride 1
     # FP8 only.
-    fc1_scale: Optional[torch.Tensor] = None  # (E, 2I/128, H/128) fp32
-    fc2_scale: Optional[torch.Tensor] = None  # (E, H/128, I/128) fp32
+    fc1_scale: Optional[torch.Tensor] = None  # (E, 2I/128, H/128) fp32; fp8_tensor: e8m0 placeholder
+    fc2_scale: Optional[torch.Tensor] = None  # (E, H/128, I/128) fp32; fp8_tensor: e8m0 placeholder
     fc1_act_dequant: Optional[torch.Tensor] = None  # (1,) fp32
     fc1_w_dequant: Optional[torch.Tensor] = None  # (E,) fp32
     fc2_act_dequant: Optional[torch.Tensor] = None  # (1,) fp32
@@ -55,33 +69,55 @@ class Sm90KernelWeights:
             return QuantizedWeights("bf16", codecs.deinterleave_gate_up(storage), w2,
                                     expert_offset=self.expert_offset)
         w13 = codecs.deinterleave_gate_up(storage.view(torch.uint8)).view(torch.float8_e4m3fn)
+        if self.fmt == "fp8_tensor":
+            return QuantizedWeights("fp8_tensor", w13, w2, self.fc1_w_dequant, self.fc2_w_dequant,
+                                    act_scale=self.fc1_act_dequant, fc2_act_scale=self.fc2_act_dequant,
+                                    expert_offset=self.expert_offset)
         return QuantizedWeights("fp8_block", w13, w2, self.fc1_scale, self.fc2_scale,
                                 expert_offset=self.expert_offset)
 
     def replace_experts(self, slots, qw: QuantizedWeights) -> None:
         """Write qw's experts (canonical, this format) over experts `slots`, in place, packed as prepare_weights
         packs them: the kernel's tensors keep their addresses and hold a fresh load's bytes for those experts. The
-        per-tensor dequant scales are ones for every expert and stay as they are."""
+        per-tensor dequant scales are ones for every expert and stay as they are (fp8_blockwise); fp8_tensor writes
+        the experts' own scales and keeps the layer's static activation scales, which the new experts must share."""
+        if self.fmt == "fp8_tensor":
+            for name, mine in (("act_scale", self.fc1_act_dequant), ("fc2_act_scale", self.fc2_act_dequant)):
+                theirs = getattr(qw, name)
+                if theirs is None or not torch.equal(theirs.reshape(-1).to(mine), mine):
+                    raise FormatError(f"weights.{name}", "fp8_tensor experts replaced in place keep the layer's "
+                                                         f"static activation scale {mine.tolist()}, got "
+                                                         f"{None if theirs is None else theirs.tolist()}")
         storage = self.fc1.transpose(1, 2), self.fc2.transpose(1, 2)
         for i, s in enumerate(slots):
-            _store(self.fmt, *storage, self.fc1_scale, self.fc2_scale, slice(s, s + 1), qw.experts(slice(i, i + 1)))
+            _store(self.fmt, *storage, self.fc1_scale, self.fc2_scale, slice(s, s + 1), qw.experts(slice(i, i + 1)),
+                   self._w_dequant())
+
+    def _w_dequant(self):
+        return (self.fc1_w_dequant, self.fc2_w_dequant) if self.fmt == "fp8_tensor" else None
 
 
 def _store(fmt: str, fc1: torch.Tensor, fc2: torch.Tensor, fc1_scale, fc2_scale, rows: slice,
-           qw: QuantizedWeights) -> None:
+           qw: QuantizedWeights, w_dequant=None) -> None:
     """Lay qw's experts (canonical) into experts `rows` of the K-major storage fc1 [E, 2I, H] / fc2 [E, H, I] (and the
-    FP8 scale grids): the one packer of both the load and a swap."""
+    FP8 scale grids; fp8_tensor: its per-expert scales into w_dequant = (fc1's, fc2's)): the one packer of both the
+    load and a swap."""
     if fmt == "bf16":
         fc1[rows].copy_(codecs.interleave_gate_up(qw.w13_q))
     else:
         fc1[rows].view(torch.uint8).copy_(codecs.interleave_gate_up(qw.w13_q.view(torch.uint8)))
-        fc1_scale[rows].copy_(qw.w13_scale)
-        fc2_scale[rows].copy_(qw.w2_scale)
+        if fmt == "fp8_tensor":
+            w_dequant[0][rows].copy_(qw.w13_scale)
+            w_dequant[1][rows].copy_(qw.w2_scale)
+        else:
+            fc1_scale[rows].copy_(qw.w13_scale)
+            fc2_scale[rows].copy_(qw.w2_scale)
     fc2[rows].copy_(qw.w2_q)
 
 
 def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch.device, *,
-                    expert_offset: int = 0, chunk_bytes: int = 1 << 30) -> Sm90KernelWeights:
+                    expert_offset: int = 0, chunk_bytes: int = 1 << 30, act_amax: Optional[float] = None,
+                    fc2_act_amax: Optional[float] = None) -> Sm90KernelWeights:
     """Quantize (moe_ep's format quantizer, on `device`) and lay out for the `fmt` kernel.
 
     A few experts at a time, into the kernel's own tensors: the quantizer's fp32 temporaries stay near 1 GiB
@@ -93,18 +129,28 @@ def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch
     fc1 = torch.empty((e, n2, h), dtype=q_dtype, device=device)  # K-major storage, gate/up interleaved
     fc2 = torch.empty((e, h, i), dtype=q_dtype, device=device)
     fp8 = fmt != "bf16"
-    fc1_scale = fc2_scale = None
-    if fp8:
+    fc1_scale = fc2_scale = w_dequant = act = None
+    if fmt == "fp8_block":
         fc1_scale = torch.empty((e, n2 // 128, h // 128), dtype=torch.float32, device=device)
         fc2_scale = torch.empty((e, h // 128, i // 128), dtype=torch.float32, device=device)
+    elif fmt == "fp8_tensor":
+        fc1_scale, fc2_scale = _e8m0_placeholder(e, n2, h, device), _e8m0_placeholder(e, h, i, device)
+        w_dequant = torch.empty((2, e), dtype=torch.float32, device=device)
     step = max(1, chunk_bytes // (n2 * h * 4))
     for lo in range(0, e, step):
         sl = slice(lo, min(e, lo + step))
-        qw = quantize_weights(fmt, w13[sl].to(device), w2[sl].to(device))
-        _store(fmt, fc1, fc2, fc1_scale, fc2_scale, sl, qw)
+        qw = quantize_weights(fmt, w13[sl].to(device), w2[sl].to(device), act_amax=act_amax,
+                              fc2_act_amax=fc2_act_amax)
+        _store(fmt, fc1, fc2, fc1_scale, fc2_scale, sl, qw, w_dequant)
+        act = (qw.act_scale, qw.fc2_act_scale)
         del qw
     if not fp8:
         return Sm90KernelWeights("bf16", expert_offset, fc1.permute(0, 2, 1), fc2.permute(0, 2, 1))
+    if fmt == "fp8_tensor":
+        return Sm90KernelWeights(
+            "fp8_tensor", expert_offset, fc1.permute(0, 2, 1), fc2.permute(0, 2, 1), fc1_scale=fc1_scale,
+            fc2_scale=fc2_scale, fc1_act_dequant=act[0].reshape(1).contiguous(), fc1_w_dequant=w_dequant[0],
+            fc2_act_dequant=act[1].reshape(1).contiguous(), fc2_w_dequant=w_dequant[1])
     ones = torch.ones(e, dtype=torch.float32, device=device)
     one = torch.ones(1, dtype=torch.float32, device=device)
     return Sm90KernelWeights(
@@ -118,4 +164,5 @@ def placeholder_weights(fmt: str, experts: int, hidden: int, intermediate: int, 
     """Zero weights of the right shapes and dtypes (a compile without real weights)."""
     z13 = torch.zeros((experts, 2 * intermediate, hidden), dtype=torch.bfloat16, device=device)
     z2 = torch.zeros((experts, hidden, intermediate), dtype=torch.bfloat16, device=device)
-    return prepare_weights(fmt, z13, z2, z13.device)
+    cal = dict(act_amax=1.0, fc2_act_amax=1.0) if fmt == "fp8_tensor" else {}
+    return prepare_weights(fmt, z13, z2, z13.device, **cal)

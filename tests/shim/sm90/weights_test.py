@@ -22,14 +22,16 @@ def _same(a, b):
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor", "bf16"])
 @pytest.mark.parametrize("chunk_bytes", [1 << 30, 2 * 512 * 256 * 4])  # all experts at once / two at a time
 def test_kernel_tensors_read_back_as_the_format_quantizer(fmt, chunk_bytes):
     w13, w2 = _w()
-    kw = weights.prepare_weights(fmt, w13, w2, torch.device("cpu"), expert_offset=10, chunk_bytes=chunk_bytes)
-    got, want = kw.canonical(), quantize_weights(fmt, w13, w2, expert_offset=10)
+    cal = dict(act_amax=3.0, fc2_act_amax=0.5) if fmt == "fp8_tensor" else {}
+    kw = weights.prepare_weights(fmt, w13, w2, torch.device("cpu"), expert_offset=10, chunk_bytes=chunk_bytes,
+                                 **cal)
+    got, want = kw.canonical(), quantize_weights(fmt, w13, w2, expert_offset=10, **cal)
     assert got.fmt == fmt and got.expert_offset == 10
-    for name in ("w13_q", "w2_q", "w13_scale", "w2_scale"):
+    for name in ("w13_q", "w2_q", "w13_scale", "w2_scale", "act_scale", "fc2_act_scale"):
         a, b = getattr(got, name), getattr(want, name)
         assert (a is None) == (b is None), name
         if a is not None:
@@ -47,6 +49,19 @@ def test_views_are_k_major_and_gate_up_interleaved_by_eight(fmt):
     q13 = quantize_weights(fmt, w13, w2).w13_q
     g = weights.GATE_UP_INTERLEAVE
     assert _same(storage[:, :g], q13[:, :g]) and _same(storage[:, g:2 * g], q13[:, n2 // 2:n2 // 2 + g])
+
+
+def test_fp8_tensor_hands_the_kernel_its_scales_and_the_blockwise_slots_placeholders():
+    w13, w2 = _w()
+    kw = weights.prepare_weights("fp8_tensor", w13, w2, torch.device("cpu"), act_amax=3.0, fc2_act_amax=0.5)
+    qw = quantize_weights("fp8_tensor", w13, w2, act_amax=3.0, fc2_act_amax=0.5)
+    assert torch.equal(kw.fc1_w_dequant, qw.w13_scale) and torch.equal(kw.fc2_w_dequant, qw.w2_scale)
+    assert kw.fc1_act_dequant.shape == (1,) and kw.fc1_act_dequant.item() == qw.act_scale.item()
+    assert kw.fc2_act_dequant.item() == qw.fc2_act_scale.item()
+    e, n2, h = w13.shape
+    # The runner's swizzled E8M0 slot shape: (E, round_up(N, 128) * round_up(K / 32, 4)), all 1.0.
+    assert kw.fc1_scale.dtype == torch.float8_e8m0fnu and kw.fc1_scale.shape == (e, n2 * (h // 32))
+    assert kw.fc2_scale.shape == (e, h * (w2.shape[2] // 32)) and bool((kw.fc2_scale.float() == 1).all())
 
 
 def test_the_oracle_view_shares_fc2_storage_with_the_kernel():
