@@ -122,7 +122,9 @@ class KernelBackend(Composed, LayerGeometry, Backend):
         return self.knobs_module.resolve_knobs(self.requested_knobs, fmt=self.fmt,
                                                max_tokens_per_rank=self.spec.max_tokens_per_rank,
                                                cache_key=self.knob_cache_key, shipped=self.shipped_knobs,
-                                               model=self.model_knobs, tune=lambda: self.autotune(weights))
+                                               model=self.model_knobs, tune=lambda: self.autotune(weights),
+                                               hidden=self.spec.hidden_size,
+                                               intermediate=self.spec.intermediate_size)
 
     @final
     def shipped_knobs(self):
@@ -231,6 +233,7 @@ def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=Non
         raise SpecError(argument, f"{message} (backend {cls.name!r})")
     check_compile_target(cls.table)
     knob_set, _ = cls.knobs_module.resolve_knobs(knobs, fmt=fmt, max_tokens_per_rank=spec.max_tokens_per_rank,
-                                                 cache_key="", cache=KnobCache(""))
+                                                 cache_key="", cache=KnobCache(""), hidden=spec.hidden_size,
+                                                 intermediate=spec.intermediate_size)
     return cls.frontend_class()(spec, RankContext.detached(rank, world_size), knob_set, kernel_format=cls.format,
                                 compile_only=True)

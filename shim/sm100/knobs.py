@@ -182,9 +182,12 @@ def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm100Knobs:
 
 
 def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None, shipped=None,
-                  model=None, tune=None) -> Tuple[Sm100Knobs, str]:
+                  model=None, tune=None, hidden: Optional[int] = None,
+                  intermediate: Optional[int] = None) -> Tuple[Sm100Knobs, str]:
     """Explicit > persistent cache > shipped table > ("auto": tune()) > knob model (none for sm100 yet) >
-    heuristic, in one pass (shim.common.knobs.resolve_knob_set). Returns (knobs, where they came from)."""
+    heuristic, in one pass (shim.common.knobs.resolve_knob_set). Returns (knobs, where they came from). The
+    geometry (hidden, intermediate) is taken as sm90's is; no sm100 heuristic depends on it."""
+    del hidden, intermediate
     return resolve_knob_set(knobs, knob_type=Sm100Knobs, heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank),
                             validate=lambda k: k.validate(fmt), cache_key=cache_key, cache=cache, shipped=shipped,
                             model=model, tune=tune)

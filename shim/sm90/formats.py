@@ -7,7 +7,14 @@ Sources of the size rules (drop 0.7.4):
   * FP8 blockwise: H and I multiples of 128 -- the 1x128 activation and 128x128 weight scale blocks
     (common/megamoe_constants.py Fp8BlockScaleK, Fp8WeightScaleBlockN/K); FC1's N = 2I is cut in 128-row blocks
     over the 8-row gate/up interleave, 64 gate + 64 up rows each.
+  * FP8 per-tensor: the FP8 kernel's K tile (128) and the 8-row gate/up interleave: the blockwise multiples.
+  * W4A8 MXFP4: H and I multiples of 128 -- the kernel refuses a K not divisible by its K tile (128 or 256;
+    kernel_mxfp4_fp8_glu_fc12_swapab.py), and the folded weight offsets are cut in 64-row x 128-K blocks.
   * BF16: H and I multiples of 64 -- the BF16 kernel's K tile (every tile in its KNOB_SPACE has K = 64).
+(No row for w4a8_nvfp4: the Hopper NVFP4 x FP8 kernel, Sm90MegaMoESwapABNvfp4Fp8Kernel, ships in FlashInfer 0.7.4's
+kernel_src/sm90/pull_style_cutedsl_megakernel/shim/nvfp4_kernels.py, beside the src/ tree moe_ep pins, not in it;
+the tree's moe_nvfp4_swapab/ is the Blackwell kernel the Hopper FP8 kernel borrows helpers from. A row for a module
+no pinned tree holds would be a permanent break in every drop audit.)
   * top_k <= 32 (KernelFormat.max_top_k): dispatch assigns `32 // num_topk` tokens per warp pass
     (src/token_comm.py), shared by every kernel of the tree.
 """
@@ -36,5 +43,30 @@ BACKENDS = FormatTable("sm90", cute_targets=("sm_90",), rows=(
         kernel_classes=("Sm90MegaMoEBf16Kernel", "Sm90MegaMoESwapABBf16Kernel"),
         frontend="shim.sm90.bf16_frontend:Sm90Bf16Frontend",
         target="shim.sm90.backend:Sm90Bf16Backend",
+    ),
+    KernelFormat(
+        # The FP8 kernel classes with static per-tensor scales (calibrated activation amax: CalibrationError
+        # without it, from the format table of moe_ep.formats).
+        backend="sm90_fp8_tensor_cutedsl", arch="sm90", fmt="fp8_tensor",
+        description="Hopper FP8 MegaMoE, per-tensor static scales (CuTe DSL)",
+        hidden_multiple=128, intermediate_multiple=128,
+        kernel_module="moe_hopper_fp8.megamoe_kernel_fp8",
+        kernel_classes=("Sm90MegaMoEFp8Kernel", "Sm90MegaMoESwapABFp8Kernel"),
+        scale_mode="per_tensor",
+        frontend="shim.sm90.fp8_tensor_frontend:Sm90Fp8TensorFrontend",
+        target="shim.sm90.backend:Sm90Fp8TensorBackend",
+    ),
+    KernelFormat(
+        # MXFP4 weights x FP8 activations, swap-AB only. The module arrived with drop 0.7.4 (the class it exports,
+        # Sm90MegaMoESwapABMxfp4Fp8Kernel, sits in megamoe_kernel_fp8.py beside the FP8 ones): on an older tree
+        # this row lists as unavailable and a layer asking for it is refused naming the module.
+        backend="sm90_w4a8_mxfp4_cutedsl", arch="sm90", fmt="w4a8_mxfp4",
+        description="Hopper MXFP4 weights x FP8 activations MegaMoE (CuTe DSL)",
+        hidden_multiple=128, intermediate_multiple=128,
+        kernel_module="moe_hopper_fp8.kernel_mxfp4_fp8_glu_fc12_swapab",
+        kernel_classes=("Sm90MegaMoESwapABMxfp4Fp8Kernel",),
+        scale_mode="mxfp4_hybrid",
+        frontend="shim.sm90.w4a8_frontend:Sm90W4A8Frontend",
+        target="shim.sm90.backend:Sm90W4A8Mxfp4Backend",
     ),
 ))

@@ -31,6 +31,10 @@ _LAZY = {
     "Sm90MegaMoESwapABFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABFp8Kernel"),
     "Sm90MegaMoEBf16Kernel": ("moe_hopper_bf16.megamoe_kernel_bf16", "Sm90MegaMoEBf16Kernel"),
     "Sm90MegaMoESwapABBf16Kernel": ("moe_hopper_bf16.megamoe_kernel_bf16", "Sm90MegaMoESwapABBf16Kernel"),
+    # W4A8 (MXFP4 weights x FP8 activations, swap-AB only) arrived with drop 0.7.4 too: the backend checks the
+    # tree has its module before anything resolves this row (shim/sm90/backend.py).
+    "Sm90MegaMoESwapABMxfp4Fp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABMxfp4Fp8Kernel"),
+    "MXFP4_K_TILE": ("moe_hopper_fp8.mxfp4_cutedsl", "MXFP4_K_TILE"),
     "SymBufferHost": ("src.sym_buffer", "SymBufferHost"),
     "SfPaddingBlock": ("common.megamoe_constants", "SfPaddingBlock"),
     "Fp8E8M0SfVecSize": ("common.megamoe_constants", "Fp8E8M0SfVecSize"),

@@ -40,6 +40,25 @@ KNOB_SPACE = {
         "flag_batch": [1, 2, 4],
         "epi_flag_batch": [1, 2, 4],
     },
+    # W4A8 MXFP4: swap-AB only, tile M 128/256 (the swap-AB epilogue), K 128 or 256 (the kernel refuses others;
+    # K 256 needs H and I multiples of 256), 1xacc only, no in-kernel top-k reduce (FlashInfer's adapter fixes it
+    # off). Token N 16..128: the tiles FlashInfer 0.7.4 tunes over (the epilogue also takes 8, unmeasured).
+    "Sm90MegaMoESwapABMxfp4Fp8Kernel": {
+        "swap_ab": [True],
+        "mma_tiler_mnk": [(128, 16, 128), (128, 32, 128), (128, 64, 128), (128, 128, 128), (256, 16, 128),
+                          (256, 32, 128), (256, 64, 128), (128, 16, 256), (128, 32, 256), (128, 64, 256),
+                          (256, 16, 256), (256, 32, 256), (256, 64, 256)],
+        "cluster_shape_mnk": [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)],
+        "pingpong": [False, True],
+        "fp8_accum_mode": ["1xacc"],
+        "token_back_mode": ["epi_warps", "standalone_warps", "reuse_dispatch_warps"],
+        "fc2_in_kernel_topk_reduce": [False],
+        "load_balance_mode": ["static", "atomic_counter"],
+        "tail_split_pairs": [False, True],
+        "group_hint": [None, 66, 78, 132, 264, 330, 396, 512, 528, 1048576],
+        "flag_batch": [1, 2, 4],
+        "epi_flag_batch": [1, 2, 4],
+    },
     "Sm90MegaMoEBf16Kernel": {
         "mma_tiler_mnk": [(64, 128, 64), (64, 256, 64), (128, 128, 64), (128, 8, 64), (128, 16, 64),
                           (128, 32, 64), (128, 64, 64)],
@@ -112,6 +131,8 @@ class Sm90Knobs(KnobSet):
         }
         if "fp8_accum_mode" in space:
             checks["fp8_accum_mode"] = self.accum_mode
+        if "swap_ab" in space:
+            checks["swap_ab"] = self.swap_ab
         for name, value in checks.items():
             if value not in space[name]:
                 raise InvalidKnobsError(name, f"{value!r} is not one of {space[name]}")
@@ -121,16 +142,51 @@ class Sm90Knobs(KnobSet):
             raise InvalidKnobsError("group_hint", f"expected None or a positive int, got {self.group_hint!r}")
         if self.cluster_shape_mnk[2] != 1:
             raise InvalidKnobsError("cluster_shape_mnk", "the cluster's K extent must be 1")
+        if self.pingpong and self.kernel == "Sm90MegaMoESwapABMxfp4Fp8Kernel" and self.mma_tiler_mnk[0] != 128:
+            raise InvalidKnobsError("pingpong", "the W4A8 kernel's ping-pong needs tile M 128 (two M128 warpgroup "
+                                                f"schedules), got {self.mma_tiler_mnk}")
         if self.tail_split_pairs and not (self.token_cluster == 2 and self.weight_cluster == 1):
             raise InvalidKnobsError("tail_split_pairs", "needs exactly two CTAs along tokens and one along weights "
                                     f"(swap-AB (1,2,1) or non-swap (2,1,1)), got {self.cluster_shape_mnk}")
         return self
 
 
-def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm90Knobs:
-    """The drop's own token-bucket table for the format's kernel, keyed by the capacity (max_tokens_per_rank)."""
+# W4A8 MXFP4 defaults by capacity bucket (the drop ships no table for this kernel). Facts from FlashInfer 0.7.4's
+# Hopper MXFP4 default tactics (its block-permutation routing profile, H200/H100-measured): tile, cluster and
+# group_hint per bucket; capacities above 2048 take the 2048 row. Its load-balance, dispatch-warp and store-offload
+# choices are knobs moe_ep does not expose yet (the kernel's defaults run: static, one dispatch warp, folded
+# producers), so these rows are a starting point for tools/tune, not its measured optimum.
+# bucket -> (mma_tiler_mnk, cluster_shape_mnk, group_hint)
+W4A8_MXFP4_DEFAULTS = {
+    8: ((256, 16, 256), (2, 1, 1), 132),
+    32: ((256, 16, 256), (2, 1, 1), 132),
+    64: ((256, 16, 256), (2, 1, 1), 132),
+    128: ((256, 16, 256), (2, 1, 1), 512),
+    256: ((256, 32, 128), (1, 1, 1), 330),
+    512: ((256, 64, 256), (2, 1, 1), 512),
+    1024: ((256, 64, 256), (2, 1, 1), 528),
+    2048: ((256, 64, 256), (2, 1, 1), 512),
+}
+
+
+def _w4a8_heuristic(max_tokens_per_rank: int, hidden: Optional[int], intermediate: Optional[int]) -> Sm90Knobs:
+    bucket = next((b for b in sorted(W4A8_MXFP4_DEFAULTS) if max_tokens_per_rank <= b), 2048)
+    tile, cluster, group_hint = W4A8_MXFP4_DEFAULTS[bucket]
+    if tile[2] == 256 and any(x is not None and x % 256 for x in (hidden, intermediate)):
+        tile = (tile[0], tile[1], 128)  # the kernel needs both K axes divisible by the tile's K
+    return Sm90Knobs(swap_ab=True, mma_tiler_mnk=tile, cluster_shape_mnk=cluster, group_hint=group_hint,
+                     kernel=KERNEL_CLASS["w4a8_mxfp4"])
+
+
+def heuristic_knobs(fmt: str, max_tokens_per_rank: int, *, hidden: Optional[int] = None,
+                    intermediate: Optional[int] = None) -> Sm90Knobs:
+    """The drop's own token-bucket table for the format's kernel, keyed by the capacity (max_tokens_per_rank);
+    W4A8 MXFP4 (no table in the drop): W4A8_MXFP4_DEFAULTS, its K-256 tiles narrowed to K 128 when hidden or
+    intermediate (when given) is not a multiple of 256."""
     from shim.sm90 import kernel_symbols as ks
 
+    if fmt == "w4a8_mxfp4":
+        return _w4a8_heuristic(max(1, max_tokens_per_rank), hidden, intermediate)
     if fmt == "bf16":
         c = ks.select_bf16_heuristic_config(max(1, max_tokens_per_rank)).config
         accum = "1xacc"
@@ -145,9 +201,13 @@ def heuristic_knobs(fmt: str, max_tokens_per_rank: int) -> Sm90Knobs:
 
 
 def resolve_knobs(knobs, *, fmt: str, max_tokens_per_rank: int, cache_key: str, cache=None, shipped=None,
-                  model=None, tune=None) -> Tuple[Sm90Knobs, str]:
+                  model=None, tune=None, hidden: Optional[int] = None,
+                  intermediate: Optional[int] = None) -> Tuple[Sm90Knobs, str]:
     """Explicit > persistent cache > shipped table > ("auto": tune()) > knob model > heuristic, in one pass
-    (shim.common.knobs.resolve_knob_set). Returns (knobs, where they came from)."""
-    return resolve_knob_set(knobs, knob_type=Sm90Knobs, heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank),
+    (shim.common.knobs.resolve_knob_set). Returns (knobs, where they came from). hidden / intermediate: the layer's
+    geometry, for a heuristic that depends on it (W4A8's K-256 tiles)."""
+    return resolve_knob_set(knobs, knob_type=Sm90Knobs,
+                            heuristic=lambda: heuristic_knobs(fmt, max_tokens_per_rank, hidden=hidden,
+                                                              intermediate=intermediate),
                             validate=lambda k: k.validate(fmt), cache_key=cache_key, cache=cache, shipped=shipped,
                             model=model, tune=tune)

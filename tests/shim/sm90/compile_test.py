@@ -1,7 +1,9 @@
-"""The Hopper FP8 and BF16 MegaMoE kernels compile through the shim on a machine with no GPU (CUTE_DSL_ARCH=sm_90a).
+"""The Hopper FP8 (blockwise and per-tensor), BF16 and W4A8 MXFP4 MegaMoE kernels compile through the shim on a
+machine with no GPU (CUTE_DSL_ARCH=sm_90a).
 
-One small config per operand order (swap-AB and not), with capacity-sized fake tensors whose extents are
-symbolic: the same program a GPU run builds. The frontends are built the way a layer builds them
+One small config per operand order (swap-AB and not) for blockwise FP8 and BF16, one each for per-tensor FP8 and
+W4A8 (its only order), with capacity-sized fake tensors whose extents are symbolic: the same program a GPU run
+builds. The frontends are built the way a layer builds them
 (shim.common.backend.compile_only_frontend: the backend's rules, knob resolution, its frontend class).
 """
 import os
@@ -47,6 +49,50 @@ def test_bf16_kernel_compiles_on_cpu(capacity):
     assert f.knobs.kernel == "Sm90MegaMoEBf16Kernel" and f.knobs.mma_tiler_mnk[2] == 64
     assert type(f.kernel).__name__ == f.format.kernel_classes[int(f.knobs.swap_ab)]
     assert callable(f.compile())
+
+
+def test_fp8_tensor_kernel_compiles_on_cpu():
+    from shim.common.backend import compile_only_frontend
+
+    f = compile_only_frontend("sm90_fp8_tensor_cutedsl", _spec(64))
+    assert type(f).__name__ == "Sm90Fp8TensorFrontend" and f.fmt == "fp8_tensor"
+    assert f.kernel.fp8_scale_mode == "per_tensor" and f.knobs.kernel == "Sm90MegaMoEFp8Kernel"
+    assert callable(f.compile())
+
+
+def test_w4a8_mxfp4_kernel_compiles_on_cpu():
+    from shim.common.backend import compile_only_frontend
+
+    f = compile_only_frontend("sm90_w4a8_mxfp4_cutedsl", _spec(64))
+    assert type(f).__name__ == "Sm90W4A8Frontend" and f.fmt == "w4a8_mxfp4"
+    assert type(f.kernel).__name__ == "Sm90MegaMoESwapABMxfp4Fp8Kernel" and f.kernel.fp8_scale_mode == "mxfp4_hybrid"
+    assert f.knobs.swap_ab and f.knobs.mma_tiler_mnk == (256, 16, 256)  # the K-256 tile at this capacity
+    assert callable(f.compile())
+
+
+@pytest.mark.parametrize("knobs, argument", [
+    (dict(swap_ab=False), "swap_ab"),                                            # the kernel has no plain order
+    (dict(mma_tiler_mnk=(256, 16, 128), pingpong=True), "pingpong"),             # ping-pong needs tile M 128
+    (dict(mma_tiler_mnk=(64, 128, 128)), "mma_tiler_mnk"),                       # not a W4A8 tile
+    (dict(fc2_in_kernel_topk_reduce=True), "fc2_in_kernel_topk_reduce"),         # no in-kernel reduce
+])
+def test_w4a8_knob_sets_the_kernel_cannot_build_are_typed_errors(knobs, argument):
+    from shim.common.backend import compile_only_frontend
+
+    with pytest.raises(moe_ep.KnobError) as e:
+        compile_only_frontend("sm90_w4a8_mxfp4_cutedsl", _spec(64), knobs=knobs)
+    assert e.value.argument == argument
+
+
+def test_w4a8_geometry_and_nvfp4_are_refused_with_typed_errors():
+    from shim.common.backend import compile_only_frontend
+
+    with pytest.raises(moe_ep.SpecError, match="hidden_size") as e:  # gpt-oss's hidden size
+        compile_only_frontend("sm90_w4a8_mxfp4_cutedsl", _spec(64, hidden_size=2880))
+    assert "128" in str(e.value)
+    with pytest.raises(moe_ep.BackendUnavailableError, match="Sm90MegaMoESwapABNvfp4Fp8Kernel") as e:
+        compile_only_frontend("sm90_w4a8_nvfp4_cutedsl", _spec(64))
+    assert "nvfp4_kernels.py" in str(e.value)
 
 
 def test_bad_geometry_is_refused_before_any_kernel_is_built():

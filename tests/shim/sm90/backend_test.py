@@ -1,0 +1,129 @@
+"""The Hopper backends added for #22 as moe_ep sees them on a CPU host: registered under their names, per-tensor
+FP8 refused without calibration, W4A8 NVFP4 refused (its kernel is not in any pinned tree), and W4A8 MXFP4 refused
+naming the module when the tree lacks it (a tree like drop 0.7.2.post1's, built here from the pinned one minus
+that module; run in a child process: one process holds one tree)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import moe_ep
+from moe_ep.core import registry
+from tests.support.dist import one_rank_gloo_group
+
+pytestmark = pytest.mark.usefixtures("sm90_tree")
+
+BACKENDS = {
+    "sm90_fp8_tensor_cutedsl": ("Sm90Fp8TensorBackend", "fp8_tensor"),
+    "sm90_w4a8_mxfp4_cutedsl": ("Sm90W4A8Mxfp4Backend", "w4a8_mxfp4"),
+    "sm90_w4a8_nvfp4_cutedsl": ("Sm90W4A8Nvfp4Backend", "w4a8_nvfp4"),
+}
+MXFP4_MODULE = "moe_hopper_fp8.kernel_mxfp4_fp8_glu_fc12_swapab"
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_registered_and_resolvable(name):
+    attr, fmt = BACKENDS[name]
+    entry = registry.get_entry(name)
+    assert entry.target == f"shim.sm90.backend:{attr}" and entry.arch == "sm90" and entry.formats == (fmt,)
+    cls = registry.resolve_backend(name)
+    assert cls.__name__ == attr and cls.name == name and cls.weight_formats == (fmt,)
+    assert registry.select_backend("sm90", fmt).name == name
+
+
+def test_availability_on_the_pinned_tree():
+    from shim.sm90 import backend
+
+    assert backend.Sm90Fp8TensorBackend.unavailable_reason() is None
+    assert backend.Sm90W4A8Mxfp4Backend.unavailable_reason() is None
+    assert backend.Sm90W4A8Mxfp4Backend.kernel_module == MXFP4_MODULE
+    reason = backend.Sm90W4A8Nvfp4Backend.unavailable_reason()
+    assert "Sm90MegaMoESwapABNvfp4Fp8Kernel" in reason and "outside the src/ root" in reason
+
+
+@pytest.fixture(scope="module")
+def gloo_group():
+    with one_rank_gloo_group():
+        yield
+
+
+def _weights(**cal):
+    return moe_ep.ExpertWeights(torch.zeros(4, 256, 256, dtype=torch.bfloat16),
+                                torch.zeros(4, 256, 128, dtype=torch.bfloat16), rank=0, world_size=1, num_experts=4,
+                                **cal)
+
+
+def test_per_tensor_fp8_without_calibration_is_refused(gloo_group):
+    spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
+    with pytest.raises(moe_ep.CalibrationError) as err:
+        moe_ep.MoELayer(spec, _weights(act_amax=2.0), backend="sm90_fp8_tensor_cutedsl")
+    assert err.value.argument == "weights.fc2_act_amax"
+
+
+def test_w4a8_nvfp4_layer_is_refused_naming_the_missing_kernel(gloo_group):
+    spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
+    with pytest.raises(moe_ep.BackendUnavailableError) as err:
+        moe_ep.MoELayer(spec, _weights(), backend="sm90_w4a8_nvfp4_cutedsl")
+    assert err.value.argument == "backend" and "nvfp4_kernels.py" in str(err.value)
+
+
+def _tree_without(root: str, missing: str, dest: str) -> None:
+    """`dest`: symlinks to everything in `root` except the file of module `missing`."""
+    miss = os.path.join(root, *missing.split(".")) + ".py"
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        os.makedirs(os.path.join(dest, rel), exist_ok=True)
+        for f in filenames:
+            src = os.path.join(dirpath, f)
+            if src != miss:
+                os.symlink(src, os.path.join(dest, rel, f))
+
+
+def test_a_tree_without_the_w4a8_kernel_refuses_the_layer_naming_the_module(tmp_path):
+    from shim.common import tree
+
+    old = tmp_path / "sm90_without_mxfp4"
+    _tree_without(tree.locate("sm90"), MXFP4_MODULE, str(old))
+    code = textwrap.dedent("""
+        import os, warnings
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        warnings.simplefilter("ignore")
+        import torch
+        import moe_ep
+        from tests.support.dist import one_rank_gloo_group
+        from shim.common.backend import compile_only_frontend
+        from shim.sm90 import backend
+        spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
+        w = moe_ep.ExpertWeights(torch.zeros(4, 256, 256, dtype=torch.bfloat16),
+                                 torch.zeros(4, 256, 128, dtype=torch.bfloat16), rank=0, world_size=1, num_experts=4)
+        with one_rank_gloo_group():
+            try:
+                moe_ep.MoELayer(spec, w, backend="sm90_w4a8_mxfp4_cutedsl")
+            except moe_ep.BackendUnavailableError as e:
+                print("LAYER", e.argument, e)
+        try:
+            compile_only_frontend("sm90_w4a8_mxfp4_cutedsl", spec)
+        except moe_ep.BackendUnavailableError as e:
+            print("COMPILE", e.argument, e)
+        print("FP8_TENSOR", backend.Sm90Fp8TensorBackend.unavailable_reason())
+        import sys
+        print("LOADED", sorted(m for m in sys.modules if "mxfp4" in m))
+    """)
+    env = dict(os.environ, MOE_EP_SM90_TREE=str(old), MOE_EP_UNPINNED_TREE="sm90",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    layer = next(line for line in out.splitlines() if line.startswith("LAYER"))
+    assert layer.startswith("LAYER backend") and f"'{MXFP4_MODULE}'" in layer and "0.7.4" in layer
+    assert f"'{MXFP4_MODULE}'" in next(line for line in out.splitlines() if line.startswith("COMPILE backend"))
+    assert "FP8_TENSOR None" in out  # per-tensor FP8 needs nothing newer
+    assert "LOADED []" in out  # refused before anything imported a W4A8 module
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
