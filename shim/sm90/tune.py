@@ -77,7 +77,8 @@ def structural_candidates(fmt: str, spec: MoESpec, world_size: int = 1, limit: i
     from shim.sm90 import kernel_symbols as ks
 
     c = spec.max_tokens_per_rank
-    base = heuristic_knobs(fmt, c)
+    geometry = dict(hidden=spec.hidden_size, intermediate=spec.intermediate_size)
+    base = heuristic_knobs(fmt, c, **geometry)
     per_expert = _tokens_per_expert(spec, world_size)
     sched = {f: getattr(base, f) for f in SCHEDULING}
     sched["tail_split_pairs"] = False
@@ -87,7 +88,8 @@ def structural_candidates(fmt: str, spec: MoESpec, world_size: int = 1, limit: i
 
     first: List[Sm90Knobs] = [base]
     b = ks.token_bucket(max(c, 1))
-    first += [structural(heuristic_knobs(fmt, x)) for x in ks.TOKEN_BUCKETS if b // 4 <= x <= b * 4 and x != b]
+    first += [structural(heuristic_knobs(fmt, x, **geometry)) for x in ks.TOKEN_BUCKETS
+              if b // 4 <= x <= b * 4 and x != b]
     first += [structural(Sm90Knobs(*w, kernel=KERNEL_CLASS[fmt])) for w in MEASURED_WINNERS if fmt == "fp8_block"]
     rest = sorted((structural(k) for k in _structural(fmt)), key=lambda k: (_fit(k, per_expert), repr(k)))
     ranked = _keep(first + rest, limit + 64, accepts)
@@ -103,10 +105,14 @@ def structural_candidates(fmt: str, spec: MoESpec, world_size: int = 1, limit: i
 
 def scheduling_candidates(best: Sequence[Sm90Knobs], limit: int = 10,
                           accepts: Optional[Callable[[Sm90Knobs], bool]] = None) -> List[Sm90Knobs]:
-    """Stage 2: around each of the stage-1 winners, one scheduling knob changed at a time (group_hint,
-    token-back mode, tail-split pairs where the cluster allows them, flag batching)."""
+    """Stage 2: around each of the stage-1 winners, one scheduling knob changed at a time (load-balance mode where
+    the kernel has two, group_hint, token-back mode, tail-split pairs where the cluster allows them, flag
+    batching)."""
     out: List[Sm90Knobs] = []
     for k in best:
+        # Where the kernel's space has more than one load-balance mode (W4A8: FlashInfer's tactics use both).
+        out += [k.replace(load_balance_mode=m) for m in KNOB_SPACE[k.kernel]["load_balance_mode"]
+                if m != k.load_balance_mode]
         out += [k.replace(group_hint=g) for g in (None, 66, 132, 264) if g != k.group_hint]
         out += [k.replace(token_back_mode=m) for m in ("epi_warps", "standalone_warps", "reuse_dispatch_warps")
                 if m != k.token_back_mode]

@@ -55,10 +55,28 @@ def _init_worker(lock, best) -> None:
     _W.update(lock=lock, best=best, geometry=None)
 
 
+def _backend_name(fmt: str) -> str:
+    from shim.sm90.formats import BACKENDS
+
+    return BACKENDS.row(fmt).backend
+
+
 def _frontend_cls(fmt: str):
     from shim.sm90.formats import BACKENDS
 
     return BACKENDS.row(fmt).frontend_class()
+
+
+def _prepare(fmt: str, w13, w2, device):
+    """The kernel weights of `fmt` from bf16 (per-tensor FP8 calibrated the way the GPU suite does)."""
+    from moe_ep.testing.calibration import synthetic_calibration
+    from shim.sm90 import w4a8_weights
+    from shim.sm90 import weights as sm90_weights
+
+    if fmt == "w4a8_mxfp4":
+        return w4a8_weights.prepare_weights(w13, w2, device)
+    cal = synthetic_calibration(w13) if fmt == "fp8_tensor" else {}
+    return sm90_weights.prepare_weights(fmt, w13, w2, device, **cal)
 
 
 def _weights_for(model: str, fmt: str, capacity: int):
@@ -68,7 +86,6 @@ def _weights_for(model: str, fmt: str, capacity: int):
 
     import moe_ep
     from moe_ep.core.dist import RankContext
-    from shim.sm90 import weights as sm90_weights
     from tools.geometries import GEOMETRIES, spec_for
 
     spec = spec_for(model, capacity)
@@ -83,7 +100,7 @@ def _weights_for(model: str, fmt: str, capacity: int):
         with _W["lock"]:
             w13 = torch.randn(e, 2 * i, h, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(h ** -0.5)
             w2 = torch.randn(e, h, i, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(i ** -0.5)
-            kw = sm90_weights.prepare_weights(fmt, w13, w2, torch.device("cuda", 0))
+            kw = _prepare(fmt, w13, w2, torch.device("cuda", 0))
             del w13, w2
             torch.cuda.empty_cache()
         _W.update(geometry=key, kernel_weights=kw, ctx=RankContext.detached(device=torch.device("cuda", 0)))
@@ -136,7 +153,8 @@ def _oracle_tol(fmt: str, spec) -> Optional[float]:
     input moves a token by ~2^-4/sqrt(I); tests/shim/sm90/multirank_gpu_test.py says more)."""
     from moe_ep.reference.oracle import OUTPUT_TOLERANCE
 
-    return max(OUTPUT_TOLERANCE[fmt], 0.75 / spec.intermediate_size ** 0.5) if fmt == "fp8_block" else None
+    fp8_requant = ("fp8_block", "fp8_tensor", "w4a8_mxfp4")  # FC2 input back to e4m3: the same bound
+    return max(OUTPUT_TOLERANCE[fmt], 0.75 / spec.intermediate_size ** 0.5) if fmt in fp8_requant else None
 
 
 def _validate(fe, spec, fmt: str) -> Dict[str, Any]:
@@ -293,7 +311,8 @@ def tune_world1(args) -> int:
             group = [k for k in keys if k.model == model]
             for key in group:
                 spec = spec_for(key.model, key.capacity)
-                key.heuristic = heuristic_knobs(key.fmt, key.capacity)
+                key.heuristic = heuristic_knobs(key.fmt, key.capacity, hidden=spec.hidden_size,
+                                                intermediate=spec.intermediate_size)
                 key.accepts = build_check(_frontend_cls(key.fmt), spec)
                 submit(key, _jobs(key, structural_candidates(key.fmt, spec, limit=args.stage1, accepts=key.accepts),
                                   "time"))
@@ -400,10 +419,15 @@ def tune_collective(args) -> int:
         g = GEOMETRIES[model]
         gen = torch.Generator(device="cuda").manual_seed(10 + ctx.rank)
         h, i, e = g["hidden"], g["intermediate"], g["experts"]
+        w13 = (torch.randn(e, 2 * i, h, generator=gen, device="cuda") * h ** -0.5).to(torch.bfloat16)
+        cal = {}
+        if args.fmt == "fp8_tensor":
+            from moe_ep.testing.calibration import synthetic_calibration
+
+            cal = synthetic_calibration(w13, group=ctx.group)
         weights = moe_ep.ExpertWeights(
-            (torch.randn(e, 2 * i, h, generator=gen, device="cuda") * h ** -0.5).to(torch.bfloat16),
-            (torch.randn(e, h, i, generator=gen, device="cuda") * i ** -0.5).to(torch.bfloat16),
-            rank=ctx.rank, world_size=w, num_experts=e * w)
+            w13, (torch.randn(e, h, i, generator=gen, device="cuda") * i ** -0.5).to(torch.bfloat16),
+            rank=ctx.rank, world_size=w, num_experts=e * w, **cal)
         for cap in args.capacities:
             spec = spec_for(model, cap, w)
             base1 = cache_key(arch="sm90", fmt=args.fmt, hidden=h, intermediate=i, experts_per_rank=e, top_k=g["top_k"],
@@ -412,7 +436,7 @@ def tune_collective(args) -> int:
             tk = table_key(base, device, drop_sha)
             if tk in table["entries"] and not args.force:
                 continue
-            heur = heuristic_knobs(args.fmt, cap)
+            heur = heuristic_knobs(args.fmt, cap, hidden=h, intermediate=i)
             cands = [heur]
             w1 = table["entries"].get(table_key(base1, device, drop_sha))
             if w1:
@@ -461,7 +485,7 @@ def _check_collective_winner(moe_ep, spec, weights, fmt: str, knobs, ctx) -> Dic
     from moe_ep.reference.oracle import check_multirank
     from shim.sm90.tune import synthetic_inputs
 
-    backend = {"fp8_block": "sm90_fp8_cutedsl", "bf16": "sm90_bf16_cutedsl"}[fmt]
+    backend = _backend_name(fmt)
     x, idx, w, out = synthetic_inputs(spec, spec.max_tokens_per_rank, ctx.device,
                                       seed=int.from_bytes(os.urandom(3), "little"))  # fresh, per rank
     out.fill_(float("nan"))

@@ -1,7 +1,7 @@
 """The Hopper MegaMoE kernels through moe_ep on real GPUs; every rank checked against the torch oracle.
 
 One process per rank (tools/launch); at world size 1 plain pytest works too. For each backend (FP8
-blockwise, BF16), geometry, token count and routing: fresh random inputs, a NaN-poisoned output, then
+blockwise, FP8 per-tensor, W4A8 MXFP4, BF16), geometry, token count and routing: fresh random inputs, a NaN-poisoned output, then
 moe_ep.reference.oracle.check_multirank: each rank all-gathers the quantized weights every rank actually
 used and checks its own output against a single-process torch oracle over its staged tokens and the global
 expert set (ranks agreeing with each other proves nothing).
@@ -14,6 +14,11 @@ The per-token bound (worst token of the batch) is the oracle's, except that for 
 intermediate size: one flipped FC2-input element moves a token's output by about 2^-4 / sqrt(I) relative,
 and the worst of 4096 tokens carries several (seen on the H200: 0.031 at I=256, 0.012 at I=2048), so it is
 max(0.03, 0.75 / sqrt(I)).
+Per-tensor FP8 and W4A8 MXFP4 requantize the FC2 input to e4m3 the same way (per tensor with a static scale,
+resp. 1x64 per token as blockwise FP8 does), and the oracle repeats everything else exactly (W4A8: the e4m3
+operands the kernel widens its e2m1 weights to, its per-expert residual, its per-token FC1 scale), so they are held
+to the same bounds. Per-tensor FP8 needs a calibration: act_amax and fc2_act_amax from a bf16 pass over a
+calibration batch (x 1.1), as an engine's offline calibration would record them.
 The formats' own error is shown apart (rel_l2 against an unquantized fp32 reference), not tested.
 """
 import os
@@ -24,9 +29,13 @@ import torch
 import moe_ep
 from moe_ep.core.graphs import capture_graph
 from moe_ep.reference.oracle import OUTPUT_TOLERANCE, check_multirank
+from moe_ep.testing.calibration import synthetic_calibration
 from moe_ep.testing.problems import unquantized_reference
 
-BACKENDS = {"sm90_fp8_cutedsl": ("fp8_block", 1e-2), "sm90_bf16_cutedsl": ("bf16", 5e-3)}
+BACKENDS = {"sm90_fp8_cutedsl": ("fp8_block", 1e-2), "sm90_bf16_cutedsl": ("bf16", 5e-3),
+            "sm90_fp8_tensor_cutedsl": ("fp8_tensor", 1e-2), "sm90_w4a8_mxfp4_cutedsl": ("w4a8_mxfp4", 1e-2)}
+# Formats whose FC2 input is requantized to e4m3 (the per-token bound widens at small I for all of them).
+FP8_REQUANT = ("fp8_block", "fp8_tensor", "w4a8_mxfp4")
 GEOMS = {
     "small": dict(hidden_size=512, intermediate_size=256, experts_per_rank=8, top_k=4),
     "dsv3": dict(hidden_size=7168, intermediate_size=2048, experts_per_rank=32, top_k=8),
@@ -58,7 +67,8 @@ def layer(request, dist_ctx):
     h, i, el = spec.hidden_size, spec.intermediate_size, g["experts_per_rank"]
     w13 = (torch.randn(el, 2 * i, h, generator=gen) / h ** 0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn(el, h, i, generator=gen) / i ** 0.5).to(torch.bfloat16).cuda()
-    weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world, num_experts=e)
+    cal = synthetic_calibration(w13, seed=99) if BACKENDS[backend][0] == "fp8_tensor" else {}
+    weights = moe_ep.ExpertWeights(w13=w13, w2=w2, rank=rank, world_size=world, num_experts=e, **cal)
     lay = moe_ep.MoELayer(spec, weights, backend=backend, device=torch.device("cuda"))
     lay.geom, lay.weights = geom, weights
     lay.max_rel_l2 = BACKENDS[backend][1]
@@ -77,9 +87,7 @@ def test_matches_oracle(layer, t, skew, case_log, shared_seed):
     out = torch.full((t, layer.spec.hidden_size), float("nan"), dtype=torch.bfloat16, device=dev)
     layer(hidden, idx, w, out=out)
     torch.cuda.synchronize()
-    tol = None
-    if layer.fmt == "fp8_block":
-        tol = max(OUTPUT_TOLERANCE["fp8_block"], 0.75 / layer.spec.intermediate_size ** 0.5)
+    tol = _fp8_tol(layer)
     report = check_multirank(layer, hidden, idx, w, out, weights=layer.weights, tol=tol, raise_on_failure=False)
     mine = report.mine(layer.rank)
     full = unquantized_reference(layer.weights, hidden, idx, w)
@@ -155,7 +163,7 @@ def test_zero_tokens(layer):
 
 
 def _fp8_tol(layer):
-    return max(OUTPUT_TOLERANCE["fp8_block"], 0.75 / layer.spec.intermediate_size ** 0.5) if layer.fmt == "fp8_block" \
+    return max(OUTPUT_TOLERANCE[layer.fmt], 0.75 / layer.spec.intermediate_size ** 0.5) if layer.fmt in FP8_REQUANT \
         else None
 
 
