@@ -51,7 +51,9 @@ MXFP4_MAX_SCALE_RANGE = 11
 W4A8_FC2_SAFE_AMAX = (448.0e-30, 1.3165537626040637e-36)
 
 
-_INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)  # fl32(1/448)
+# fl32(1/448), as a Python float holding that fp32 value exactly: a tensor times a Python scalar is one fp32
+# multiply on every device, with no host-to-device copy (which a CUDA graph capture would refuse).
+_INV_E4M3_MAX = float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
 
 
 def _over_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
@@ -60,7 +62,7 @@ def _over_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
     division; the two differ by an ulp for about half of all amax values, and so would the bytes staged on a
     GPU and the oracle's on a CPU. Spelled out, the definition is the same everywhere (and it is what a fused
     staging kernel reproduces, shim/sm90/fp8_staging.py)."""
-    return amax.to(torch.float32) * _INV_E4M3_MAX.to(amax.device)
+    return amax.to(torch.float32) * _INV_E4M3_MAX
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:
