@@ -1,7 +1,7 @@
 """The #22 formats on one Hopper GPU in one run: correctness of W4A8 MXFP4, W4A8 NVFP4 and per-tensor FP8, then
 their time beside blockwise FP8, with a table, CSV/JSON and a plot.
 
-    python -m tools.bench.w4a8 --out DIR [--workers 6] [--budget-s 450]      (GPU host, no Bazel)
+    python -m tools.bench.w4a8 --out DIR [--workers 6] [--budget-s 360]      (GPU host, no Bazel)
     python -m tools.bench.w4a8 --dry-run                                     (any host: the plan, every kernel
                                                                                constructor run, nothing compiled)
 
@@ -450,7 +450,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "w4a8_out"))
     ap.add_argument("--workers", type=int, default=0, help="compile workers (default: min(6, cores - 2))")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="start no new job after this long")
+    ap.add_argument("--budget-s", type=float, default=360.0,
+                    help="start no new job after this long (running ones finish: keep ~2 min of headroom)")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--dry-run", action="store_true")
