@@ -72,6 +72,40 @@ def test_heuristic_follows_the_drop_table_by_capacity():
             row.swap_ab, row.mma_tiler_mnk, row.cluster_shape_mnk, row.pingpong)
 
 
+def test_per_tensor_follows_the_drops_per_tensor_table():
+    from shim.sm90 import kernel_symbols as ks
+    from shim.sm90.knobs import heuristic_knobs
+
+    for cap in (1, 128, 4096):
+        row = ks.HEURISTIC_CONFIGS["per_tensor"][ks.token_bucket(cap)]
+        k = heuristic_knobs("fp8_tensor", cap)
+        assert (k.swap_ab, k.mma_tiler_mnk, k.kernel) == (row.swap_ab, row.mma_tiler_mnk, "Sm90MegaMoEFp8Kernel")
+
+
+def test_w4a8_defaults_are_valid_swap_ab_and_narrow_k_for_the_geometry():
+    from shim.sm90.knobs import W4A8_MXFP4_DEFAULTS, heuristic_knobs
+
+    for cap in (1, 8, 9, 100, 256, 700, 2048, 100000):
+        k = heuristic_knobs("w4a8_mxfp4", cap)
+        assert k.validate() is k and k.swap_ab and k.kernel == "Sm90MegaMoESwapABMxfp4Fp8Kernel"
+        bucket = min([b for b in W4A8_MXFP4_DEFAULTS if cap <= b] or [2048])
+        assert k.mma_tiler_mnk == W4A8_MXFP4_DEFAULTS[bucket][0]
+    # K-256 tiles need H and I multiples of 256 (Qwen3-30B's I = 768 is; an I of 640 is not).
+    assert heuristic_knobs("w4a8_mxfp4", 4096, hidden=2048, intermediate=768).mma_tiler_mnk == (256, 64, 256)
+    assert heuristic_knobs("w4a8_mxfp4", 4096, hidden=2048, intermediate=640).mma_tiler_mnk == (256, 64, 128)
+    assert heuristic_knobs("w4a8_mxfp4", 8, hidden=2944, intermediate=2048).mma_tiler_mnk == (256, 16, 128)
+
+
+def test_w4a8_stage_one_is_swap_ab_only_and_stage_two_tries_both_load_balance_modes():
+    from shim.sm90.tune import scheduling_candidates, structural_candidates
+
+    cands = structural_candidates("w4a8_mxfp4", _spec(512), limit=10)
+    assert cands and all(c.swap_ab and c.validate() is c for c in cands)
+    assert not any(c.pingpong and c.mma_tiler_mnk[0] != 128 for c in cands)
+    modes = {c.load_balance_mode for c in scheduling_candidates(cands[:1], limit=20)}
+    assert "atomic_counter" in modes
+
+
 @pytest.mark.parametrize("bad, knob", [
     ({"token_back_mode": "carrier_pigeon"}, "token_back_mode"),
     ({"mma_tiler_mnk": (96, 128, 128)}, "mma_tiler_mnk"),
