@@ -64,7 +64,8 @@ from moe_ep.formats import codecs as _ref  # the reference quantizer (fp8_quanti
 __all__ = [
     "BLOCK_K", "E4M3_MAX", "SCALE_FLOOR", "RCP_E4M3_MAX", "DEFAULT_CONFIG",
     "available", "unavailable_reason", "stage_fp8_blocks", "stage_fp8_blocks_reference", "launch_fused",
-    "simulate_fused", "encode_e4m3_bits", "edge_case_rows",
+    "simulate_fused", "encode_e4m3_bits", "edge_case_rows", "stage_fp8_rows_reference", "launch_fused_rows",
+    "simulate_fused_rows",
 ]
 
 BLOCK_K: int = _ref.FP8_ACT_BLOCK_K            # 128: one fp32 scale per 1x128 block of a row
@@ -199,7 +200,70 @@ def launch_fused(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, *, s
         )
 
 
+# --------------------------------------------------------------------------------- one scale per row (W4A8)
+def _check_rows(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> Tuple[int, int]:
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise TypeError(f"x must be bfloat16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    t, h = x.shape
+    if t > 0 and x.stride(1) != 1:
+        raise ValueError(f"x rows must be contiguous (stride(1) == 1), got strides {x.stride()}")
+    if q_out.dtype not in (torch.float8_e4m3fn, torch.uint8) or q_out.dim() != 2 or q_out.shape[1] != h \
+            or q_out.shape[0] < t or (t > 0 and q_out.stride(1) != 1):
+        raise ValueError(f"q_out must be e4m3 (or uint8) [>= {t}, {h}] with contiguous rows, got {q_out.dtype} "
+                         f"{tuple(q_out.shape)}")
+    if s_out.dtype != torch.float32 or s_out.dim() != 2 or s_out.shape[0] < t or s_out.shape[1] < 1 \
+            or (t > 0 and s_out.stride(1) != 1):
+        raise ValueError(f"s_out must be float32 [>= {t}, >= 1] with contiguous rows, got {s_out.dtype} "
+                         f"{tuple(s_out.shape)}")
+    return t, h
+
+
+def stage_fp8_rows_reference(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor) -> None:
+    """The definition of the per-row staging: moe_ep's quantizer with one block spanning the row, the scale
+    written into every column of s_out's rows (the W4A8 kernel's replicated scale row)."""
+    t, h = _check_rows(x, q_out, s_out)
+    if t == 0:
+        return
+    q, s = _ref.fp8_quantize_rows(x, h, reciprocal=False)
+    q_out[:t].view(torch.uint8).copy_(q.view(torch.uint8))
+    s_out[:t].copy_(s.expand(t, s_out.shape[1]))
+
+
+def launch_fused_rows(x: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, *, block: int = 1024,
+                      num_warps: int = 4) -> None:
+    """One Triton launch: stage_fp8_rows_reference's bytes (one program per row)."""
+    t, h = _check_rows(x, q_out, s_out)
+    if not x.is_cuda:
+        raise ValueError(f"the fused kernel needs CUDA tensors, got {x.device}")
+    if t == 0:
+        return
+    rep = s_out.shape[1]
+    if rep & (rep - 1) or block & (block - 1):
+        raise ValueError(f"s_out's width ({rep}) and block ({block}) must be powers of two")
+    q8 = q_out if q_out.dtype == torch.uint8 else q_out.view(torch.uint8)
+    with torch.cuda.device(x.device):
+        _rows_kernel()[(t,)](x, q8, s_out, t, h, x.stride(0), q8.stride(0), s_out.stride(0),
+                             RCP=RCP_E4M3_MAX, FLOOR=SCALE_FLOOR, S_REP=rep, BLOCK=block, num_warps=num_warps)
+
+
+def simulate_fused_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp8_stage_rows_kernel's arithmetic, op for op, in torch on the CPU -> (q uint8 [T, H], s fp32 [T])."""
+    xb = x.detach().cpu().to(torch.float32)                                         # 1.
+    amax = (xb.view(torch.int32) & 0x7FFFFFFF).amax(dim=-1).view(torch.float32)    # 2.
+    s = amax * torch.tensor(RCP_E4M3_MAX, dtype=torch.float32)                      # 3.
+    floor = torch.tensor(SCALE_FLOOR, dtype=torch.float32)
+    s = torch.where(s < floor, floor, s)                                            # 4.
+    return encode_e4m3_bits(xb / s.unsqueeze(-1)), s                                # 5-7.
+
+
 # ------------------------------------------------------------------------------------------------- the kernel
+@functools.lru_cache(maxsize=None)
+def _rows_kernel():
+    from shim.sm90 import fp8_staging_kernel
+
+    return fp8_staging_kernel.fp8_stage_rows_kernel
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel():
     """The Triton kernel (shim/sm90/fp8_staging_kernel.py), imported on first use: Triton is never imported at

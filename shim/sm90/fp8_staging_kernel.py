@@ -8,7 +8,7 @@ tools/diag/fp8_staging_check.py holds this kernel to it on the GPU).
 import triton
 import triton.language as tl
 
-__all__ = ["encode_e4m3", "fp8_stage_kernel"]
+__all__ = ["encode_e4m3", "fp8_stage_kernel", "fp8_stage_rows_kernel"]
 
 
 @triton.jit
@@ -66,3 +66,29 @@ def fp8_stage_kernel(x_ptr, q_ptr, s_ptr, T, stride_x, stride_q, stride_sm, stri
         else:
             code = encode_e4m3(y).to(tl.uint8)                                      # 6-7. clamp + RNE
         tl.store(q_ptr + rows64[:, None] * stride_q + col[None, :], code, mask=mask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def fp8_stage_rows_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_x, stride_q, stride_s,
+                          RCP: tl.constexpr, FLOOR: tl.constexpr, S_REP: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (T,): one row per program, one scale over the whole row (the W4A8 kernel's per-token FC1 input).
+    Steps 1-7 of the 1x128 kernel with the block = the row: a first pass takes the integer max of |x| over the
+    row, a second divides and encodes; the scale is written S_REP times (the kernel's replicated scale row)."""
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.int32)
+    for k0 in range(0, H, BLOCK):
+        m = (k0 + cols) < H
+        x = tl.load(x_ptr + r64 * stride_x + k0 + cols, mask=m, other=0.0).to(tl.float32)      # 1. exact
+        acc = tl.maximum(acc, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    amax = tl.max(acc, axis=0).to(tl.float32, bitcast=True)                                   # 2. NaN on top
+    s = amax * RCP                                                                            # 3. one rounding
+    s = tl.where(s < FLOOR, FLOOR, s)                                                         # 4.
+    tl.store(s_ptr + r64 * stride_s + tl.arange(0, S_REP), tl.zeros([S_REP], tl.float32) + s)
+    sv = tl.zeros([BLOCK], tl.float32) + s
+    for k0 in range(0, H, BLOCK):
+        m = (k0 + cols) < H
+        x = tl.load(x_ptr + r64 * stride_x + k0 + cols, mask=m, other=0.0).to(tl.float32)
+        code = encode_e4m3(tl.math.div_rn(x, sv)).to(tl.uint8)                                # 5-7.
+        tl.store(q_ptr + r64 * stride_q + k0 + cols, code, mask=m)

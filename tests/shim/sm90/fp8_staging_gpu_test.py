@@ -97,5 +97,20 @@ def test_kernel_equals_its_cpu_simulation(dev):
     assert (torch.isnan(ss) | (got_s.contiguous().view(torch.int32) == ss.view(torch.int32))).all()
 
 
+@pytest.mark.parametrize("t, h", [(1, 7168), (8, 512), (1000, 7168), (4096, 2048)])
+def test_fused_per_row_bytes_equal_the_reference_on_the_gpu(dev, t, h):
+    """The W4A8 FC1 input: one scale per row, replicated over 4 columns; NaN rows compared as NaN."""
+    x = _x(t, h, seed=t * 17 + h, dev=dev)
+    q = torch.full((t + 3, h), 0xA5, dtype=U8, device=dev).view(torch.float8_e4m3fn)
+    s = torch.full((t + 3, 4), -7.0, device=dev)
+    fs.launch_fused_rows(x, q, s)
+    rq, rs = ref.fp8_quantize_rows(x, h, reciprocal=False)
+    assert torch.equal(q[:t].view(U8), rq.view(U8))
+    nan = torch.isnan(rs[:, 0])
+    assert torch.equal(torch.isnan(s[:t]), nan.unsqueeze(1).expand(t, 4))
+    assert torch.equal(s[:t][~nan].view(torch.int32), rs[~nan].expand(-1, 4).contiguous().view(torch.int32))
+    assert (q[t:].view(U8) == 0xA5).all() and (s[t:] == -7.0).all()
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))

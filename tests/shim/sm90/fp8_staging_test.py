@@ -9,6 +9,7 @@ simulation and the reference runs on the GPU: fp8_staging_gpu_test and tools/dia
 import pytest
 import torch
 
+from moe_ep.formats import codecs
 from shim.sm90 import fp8_staging as fs
 
 ref = fs._ref  # moe_ep.formats.codecs: fp8_quantize_rows, to_e4m3
@@ -286,6 +287,33 @@ def test_a_changed_op_order_changes_bytes_on_these_inputs(how):
         rq, _ = ref.fp8_quantize_rows(x, 128, reciprocal=False)
         bad += int((_mutant(x, how) != rq.view(U8)).sum())
     assert bad > 0, f"inputs too weak: the {how} mutant agrees with the reference everywhere"
+
+
+# ----------------------------------------------------------------- one scale per row (the W4A8 FC1 input)
+def test_row_staging_simulation_is_the_reference_on_edge_rows():
+    """The per-row kernel's arithmetic (simulate_fused_rows) gives the format quantizer's bytes and scales, on
+    rows of every edge kind (ties, subnormals, zeros, infinities, NaN) and on ordinary rows."""
+    g = torch.Generator().manual_seed(3)
+    for x in (fs.edge_case_rows(7168, seed=1), fs.edge_case_rows(512, seed=2),
+              (torch.randn(33, 2048, generator=g) * torch.logspace(-30, 4, 33).unsqueeze(1)).bfloat16()):
+        q, s = fs.simulate_fused_rows(x)
+        rq, rs = codecs.fp8_quantize_rows(x, x.shape[1], reciprocal=False)
+        assert torch.equal(q, rq.view(torch.uint8))
+        nan = torch.isnan(s)  # a NaN row: both NaN (the payload bits may differ; the codes above do not)
+        assert torch.equal(nan, torch.isnan(rs[:, 0]))
+        assert torch.equal(s[~nan].view(torch.int32), rs[:, 0][~nan].view(torch.int32))
+
+
+def test_row_staging_fallback_writes_the_replicated_scale_row():
+    x = (torch.randn(5, 512) * 3).bfloat16()
+    q = torch.full((8, 512), 0x55, dtype=torch.uint8)
+    s = torch.full((8, 4), -1.0)
+    fs.stage_fp8_rows_reference(x, q, s)
+    rq, rs = codecs.fp8_quantize_rows(x, 512)
+    assert torch.equal(q[:5], rq.view(torch.uint8)) and bool((q[5:] == 0x55).all())
+    assert torch.equal(s[:5], rs.expand(5, 4)) and bool((s[5:] == -1).all())
+    with pytest.raises(ValueError, match="CUDA"):
+        fs.launch_fused_rows(x, q, s)
 
 
 if __name__ == "__main__":
