@@ -50,20 +50,28 @@ def gloo_group():
         yield
 
 
+@pytest.fixture
+def as_if_hopper(monkeypatch):
+    """The layer's device check passed, as on a Hopper host: what comes after it is under test here."""
+    import moe_ep.core.layer
+
+    monkeypatch.setattr(moe_ep.core.layer, "require_arch", lambda *a, **k: None)
+
+
 def _weights(**cal):
     return moe_ep.ExpertWeights(torch.zeros(4, 256, 256, dtype=torch.bfloat16),
                                 torch.zeros(4, 256, 128, dtype=torch.bfloat16), rank=0, world_size=1, num_experts=4,
                                 **cal)
 
 
-def test_per_tensor_fp8_without_calibration_is_refused(gloo_group):
+def test_per_tensor_fp8_without_calibration_is_refused(gloo_group, as_if_hopper):
     spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
     with pytest.raises(moe_ep.CalibrationError) as err:
         moe_ep.MoELayer(spec, _weights(act_amax=2.0), backend="sm90_fp8_tensor_cutedsl")
     assert err.value.argument == "weights.fc2_act_amax"
 
 
-def test_w4a8_nvfp4_layer_is_refused_naming_the_missing_kernel(gloo_group):
+def test_w4a8_nvfp4_layer_is_refused_naming_the_missing_kernel(gloo_group, as_if_hopper):
     spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
     with pytest.raises(moe_ep.BackendUnavailableError) as err:
         moe_ep.MoELayer(spec, _weights(), backend="sm90_w4a8_nvfp4_cutedsl")
@@ -84,6 +92,7 @@ def _tree_without(root: str, missing: str, dest: str) -> None:
 
 
 def test_a_tree_without_the_w4a8_kernel_refuses_the_layer_naming_the_module(tmp_path):
+    """On a Hopper host (its device check stood in for) with a tree that lacks the W4A8 module."""
     from shim.common import tree
 
     old = tmp_path / "sm90_without_mxfp4"
@@ -94,7 +103,9 @@ def test_a_tree_without_the_w4a8_kernel_refuses_the_layer_naming_the_module(tmp_
         warnings.simplefilter("ignore")
         import torch
         import moe_ep
+        import moe_ep.core.layer
         from tests.support.dist import one_rank_gloo_group
+        moe_ep.core.layer.require_arch = lambda *a, **k: None  # as on a Hopper host (the device check passed)
         from shim.common.backend import compile_only_frontend
         from shim.sm90 import backend
         spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
