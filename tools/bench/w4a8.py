@@ -330,7 +330,8 @@ def report(results: List[Dict[str, Any]], out: Path, meta: Dict[str, Any]) -> st
     table = _timing_table(times)
     lines = [f"# #22 formats on {meta.get('device', '?')} (drop {meta.get('drop', '?')})", "",
              "## Correctness (oracle over the kernel's own weights and staged activations; fp64: the format's error)",
-             "", "| fmt | geom | T | ok | max row rel (tol) | rel L2 | NaN | rel L2 vs fp64 | knobs |", "|" + "---|" * 9]
+             "", "| fmt | geom | T | ok | max row rel (tol) | rel L2 | NaN | rel L2 vs fp64 | knobs |",
+             "|" + "---|" * 9]
     for c in checks:
         if "error" in c:
             lines.append(f"| {c['fmt']} | {c['geom']} | {c['T']} | ERROR | {c['error'][:80]} | | | | |")
@@ -343,7 +344,8 @@ def report(results: List[Dict[str, Any]], out: Path, meta: Dict[str, Any]) -> st
                          f"{c['rel_l2_vs_fp64']:.4f} | {c['knob_source']} |")
     reasons = sorted({c["reason"] for c in checks + times if c.get("reason")})
     lines += ["", "## Time per forward, DeepSeek-V3 geometry, world size 1, caller-captured graph replay (us)", "",
-              "| T | C | W4A8 MXFP4 | W4A8 NVFP4 | FP8 block | FP8 tensor | W4A8/FP8 (target) | tensor/block (target) |",
+              "| T | C | W4A8 MXFP4 | W4A8 NVFP4 | FP8 block | FP8 tensor | W4A8/FP8 (target) "
+              "| tensor/block (target) |",
               "|" + "---|" * 8]
 
     def verdict(bound, ok) -> str:
@@ -355,7 +357,8 @@ def report(results: List[Dict[str, Any]], out: Path, meta: Dict[str, Any]) -> st
         wt = verdict(r["w4a8_target"], r["w4a8_ok"])
         tt = verdict(r["tensor_target"], r["tensor_ok"])
         lines.append(f"| {r['T']} | {r['capacity']} | {_fmt(r['w4a8_mxfp4'])} | {_fmt(r['w4a8_nvfp4'])} | "
-                     f"{_fmt(r['fp8_block'])} | {_fmt(r['fp8_tensor'])} | {_fmt(w, '.3f')}{wt} | {_fmt(tr, '.3f')}{tt} |")
+                     f"{_fmt(r['fp8_block'])} | {_fmt(r['fp8_tensor'])} | {_fmt(w, '.3f')}{wt} | "
+                     f"{_fmt(tr, '.3f')}{tt} |")
     if reasons:
         lines += ["", "Unavailable: " + "; ".join(reasons)]
     failed = [r for r in results if not r["ok"]]

@@ -124,8 +124,10 @@ def test_a_tree_without_the_w4a8_kernel_refuses_the_layer_naming_the_module(tmp_
         import sys
         print("LOADED", sorted(m for m in sys.modules if "mxfp4" in m))
     """)
+    # This process's path without the pinned tree (one tree per process: the child loads the other one).
     env = dict(os.environ, MOE_EP_SM90_TREE=str(old), MOE_EP_UNPINNED_TREE="sm90",
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+               PYTHONPATH=os.pathsep.join(p for p in sys.path
+                                          if p and not os.path.isdir(os.path.join(p, "moe_hopper_fp8"))))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr

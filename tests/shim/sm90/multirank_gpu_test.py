@@ -1,8 +1,8 @@
 """The Hopper MegaMoE kernels through moe_ep on real GPUs; every rank checked against the torch oracle.
 
 One process per rank (tools/launch); at world size 1 plain pytest works too. For each backend (FP8
-blockwise, FP8 per-tensor, W4A8 MXFP4, BF16), geometry, token count and routing: fresh random inputs, a NaN-poisoned output, then
-moe_ep.reference.oracle.check_multirank: each rank all-gathers the quantized weights every rank actually
+blockwise, FP8 per-tensor, W4A8 MXFP4, BF16), geometry, token count and routing: fresh random inputs, a
+NaN-poisoned output, then moe_ep.reference.oracle.check_multirank: each rank all-gathers the quantized weights every rank actually
 used and checks its own output against a single-process torch oracle over its staged tokens and the global
 expert set (ranks agreeing with each other proves nothing).
 
