@@ -2,9 +2,9 @@
 
 One process per rank (tools/launch); at world size 1 plain pytest works too. For each backend (FP8
 blockwise, FP8 per-tensor, W4A8 MXFP4, BF16), geometry, token count and routing: fresh random inputs, a
-NaN-poisoned output, then moe_ep.reference.oracle.check_multirank: each rank all-gathers the quantized weights every rank actually
-used and checks its own output against a single-process torch oracle over its staged tokens and the global
-expert set (ranks agreeing with each other proves nothing).
+NaN-poisoned output, then moe_ep.reference.oracle.check_multirank: each rank all-gathers the quantized
+weights every rank actually used and checks its own output against a single-process torch oracle over its
+staged tokens and the global expert set (ranks agreeing with each other proves nothing).
 
 Error metric, per rank: rel_l2 = ||out - ref|| / ||ref||, where the oracle repeats the kernel's
 quantization steps; what remains is accumulation order, bf16 rounding of the per-(token, k) terms and, for
