@@ -185,14 +185,17 @@ def heuristic_knobs(fmt: str, max_tokens_per_rank: int, *, hidden: Optional[int]
     intermediate (when given) is not a multiple of 256."""
     from shim.sm90 import kernel_symbols as ks
 
+    # One literal-guarded branch per kernel: the drop audit follows each (backend, format) into its own branch.
     if fmt == "w4a8_mxfp4":
         return _w4a8_heuristic(max(1, max_tokens_per_rank), hidden, intermediate)
-    if fmt == "bf16":
+    elif fmt == "bf16":
         c = ks.select_bf16_heuristic_config(max(1, max_tokens_per_rank)).config
         accum = "1xacc"
-    else:
+    elif fmt in ("fp8_block", "fp8_tensor"):
         c = ks.select_heuristic_config(BACKENDS.row(fmt).scale_mode, max(1, max_tokens_per_rank)).config
         accum = c.accum_mode
+    else:
+        raise InvalidKnobsError("fmt", f"no Hopper kernel in this tree serves {fmt!r} (served: {sorted(KERNEL_CLASS)})")
     return Sm90Knobs(
         swap_ab=bool(c.swap_ab), mma_tiler_mnk=tuple(c.mma_tiler_mnk), cluster_shape_mnk=tuple(c.cluster_shape_mnk),
         pingpong=bool(c.pingpong), accum_mode=accum, token_back_mode=c.token_back_mode,

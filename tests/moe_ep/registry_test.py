@@ -13,7 +13,6 @@ KERNEL_BACKENDS = {
     "sm90_bf16_cutedsl": ("sm90", ("bf16",)),
     "sm90_fp8_tensor_cutedsl": ("sm90", ("fp8_tensor",)),
     "sm90_w4a8_mxfp4_cutedsl": ("sm90", ("w4a8_mxfp4",)),
-    "sm90_w4a8_nvfp4_cutedsl": ("sm90", ("w4a8_nvfp4",)),
     "sm100_nvfp4_cutedsl": ("sm100", ("nvfp4",)),
     "sm100_mxfp8_cutedsl": ("sm100", ("mxfp8",)),
     "sm100_bf16_cutedsl": ("sm100", ("bf16",)),

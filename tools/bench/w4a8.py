@@ -130,10 +130,21 @@ def _expert_weights(geom: str, device):
     return _W["bf16"][geom]
 
 
-def _backend_cls(fmt: str):
-    from moe_ep.core.registry import resolve_backend, select_backend
+NO_KERNEL = ("no Hopper kernel in the pinned tree: FlashInfer 0.7.4 ships Sm90MegaMoESwapABNvfp4Fp8Kernel in "
+             "kernel_src/sm90/pull_style_cutedsl_megakernel/shim/nvfp4_kernels.py, outside the pinned src/ tree")
 
-    return resolve_backend(select_backend("sm90", fmt, fallback="torch_reference").name)
+
+def _backend_cls(fmt: str):
+    """The sm90 kernel backend serving `fmt`, or None when no Hopper kernel does."""
+    from moe_ep.core.registry import list_backends, resolve_backend
+
+    names = [n for n, b in list_backends().items() if b.arch == "sm90" and fmt in b.formats]
+    return resolve_backend(names[0]) if names else None
+
+
+def _unavailable(fmt: str) -> Optional[str]:
+    cls = _backend_cls(fmt)
+    return NO_KERNEL if cls is None else cls.unavailable_reason()
 
 
 def _frontend(fmt: str, geom: str, capacity: int, device, compile_only: bool = False):
@@ -200,7 +211,7 @@ def _check(job: Dict[str, Any], device) -> List[Dict[str, Any]]:
     spec = _spec(geom, job["capacity"])
     tol = max(OUTPUT_TOLERANCE[fmt], 0.75 / spec.intermediate_size ** 0.5)
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
-    reason = _backend_cls(fmt).unavailable_reason()
+    reason = _unavailable(fmt)
     rows = []
     if reason is not None:  # no kernel: the format's own error through the torch reference, and why
         qw = quantize_weights(fmt, weights.w13, weights.w2)
@@ -246,7 +257,7 @@ def _time(job: Dict[str, Any], device) -> List[Dict[str, Any]]:
     from shim.sm90.tune import synthetic_inputs
 
     fmt = job["fmt"]
-    reason = _backend_cls(fmt).unavailable_reason()
+    reason = _unavailable(fmt)
     if reason is not None:
         return [dict(T=t, us=None, reason=reason) for t in job["tokens"]]
     fe, knobs, source = _frontend(fmt, job["geom"], job["capacity"], device)
@@ -431,7 +442,7 @@ def dry_run() -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     bad = 0
     for job in plan():
-        reason = _backend_cls(job["fmt"]).unavailable_reason()
+        reason = _unavailable(job["fmt"])
         if reason is not None:
             print(f"{job['id']:3d} {job['kind']:5s} {job['fmt']:10s} {job['geom']:5s} C{job['capacity']:<5d} "
                   f"T{job['tokens']}: unavailable ({reason[:60]}...)")

@@ -25,6 +25,7 @@ from tools.drop.trees import find_repo_root
 
 SM90 = TREES["sm90"]
 FP8 = ("sm90_fp8_cutedsl", "fp8_block")
+FP8_TENSOR = ("sm90_fp8_tensor_cutedsl", "fp8_tensor")  # the same kernel, heuristic table and config reads
 BF16 = ("sm90_bf16_cutedsl", "bf16")
 
 
@@ -71,7 +72,7 @@ def test_a_new_required_parameter_of_the_heuristic_is_a_static_break(repo, pinne
     (f,) = breaks(result, "calls")
     assert f.subject == "moe_hopper_fp8.heuristic_config.select_heuristic_config()"
     assert "requires num_ranks, which the shim does not pass" in f.detail
-    assert f.sites == (_knobs_line(repo, "ks.select_heuristic_config("),) and f.pairs == (FP8,)
+    assert f.sites == (_knobs_line(repo, "ks.select_heuristic_config("),) and f.pairs == (FP8, FP8_TENSOR)
     assert result.exit_code() == EXIT_SOME_BREAK  # the BF16 backend does not call it
 
 
@@ -80,7 +81,7 @@ def test_a_renamed_config_field_the_shim_reads_is_a_static_break(repo, pinned, t
     (f,) = breaks(result, "reads")
     assert f.subject == "moe_hopper_fp8.heuristic_config.HopperFp8Config.pingpong"
     assert f.detail.endswith("did you mean ping_pong?")
-    assert f.sites == (_knobs_line(repo, "pingpong=bool(c.pingpong)"),) and f.pairs == (FP8,)
+    assert f.sites == (_knobs_line(repo, "pingpong=bool(c.pingpong)"),) and f.pairs == (FP8, FP8_TENSOR)
 
 
 # ---- caught by resolving knobs (a child process, no compile) ------------------------------------------
@@ -91,13 +92,13 @@ def test_a_heuristic_entry_outside_the_knob_space_breaks_at_its_bucket(repo, pin
     result = audit(repo, tree)
     assert not [f for f in result.findings if f.status == "break"]  # no static break: the sources only hint at it
     (hint,) = [f for f in result.findings if f.status == "warn"]
-    assert hint.subject == "Sm90MegaMoEFp8Kernel.mma_tiler_mnk=(256, 48, 128)" and hint.pairs == (FP8,)
+    assert hint.subject == "Sm90MegaMoEFp8Kernel.mma_tiler_mnk=(256, 48, 128)" and hint.pairs == (FP8, FP8_TENSOR)
     report = build(repo, tree, [FP8], capacities=(1, 8, 9, 16, 17, 32))  # the buckets around it
     build_stage.apply_build(result, report)
     (f,) = breaks(result, "build")
     assert f.subject == "sm90_fp8_cutedsl [fp8_block] knob resolution and kernel build at capacity 9-16"
     assert f.detail.startswith("InvalidKnobsError") and "(256, 48, 128)" in f.detail
-    assert f.sites[0].startswith("shim/sm90/knobs.py:") and f.pairs == (FP8,)
+    assert f.sites[0].startswith("shim/sm90/knobs.py:") and f.pairs == (FP8,)  # the build ran FP8 alone
     assert report.summary(FP8)[0] == "FAIL at 9-16"
     assert result.exit_code() == EXIT_SOME_BREAK
 
