@@ -42,6 +42,9 @@ class KernelFormat:
     scale_mode: Optional[str] = None  # the sm90 FP8 kernel's fp8_scale_mode ("blockwise" / "per_tensor")
     reduce_kwarg: str = "fc2_in_kernel_topk_reduce"  # the constructor's name for the in-kernel fc2 top-k reduce
     max_top_k: int = 32  # dispatch assigns 32 // top_k tokens per warp pass (src/token_comm.py, both trees)
+    # Further drop modules the kernel needs, when kernel_module (where its class is defined) predates it: sm90's
+    # W4A8 class sits in megamoe_kernel_fp8.py, which older drops have without it and without its mainloop module.
+    requires: Tuple[str, ...] = ()
 
     @property
     def knob_space(self) -> str:
@@ -121,7 +124,8 @@ def missing_kernel(row: KernelFormat) -> Optional[str]:
     """Why `row` cannot run with the arch's tree (its kernel module is not in it), or None. Looks for the file: no
     kernel or cutlass import. A tree that cannot be found or verified raises its own BackendUnavailableError."""
     root = _tree_root(row.arch)
-    base = os.path.join(root, *row.kernel_module.split("."))
-    if os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py")):
-        return None
-    return f"{row.backend!r} needs the kernel module {row.kernel_module!r}, which the {row.arch} tree at {root} lacks"
+    for module in (row.kernel_module,) + tuple(row.requires):
+        base = os.path.join(root, *module.split("."))
+        if not (os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py"))):
+            return f"{row.backend!r} needs the kernel module {module!r}, which the {row.arch} tree at {root} lacks"
+    return None

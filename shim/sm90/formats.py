@@ -57,14 +57,15 @@ BACKENDS = FormatTable("sm90", cute_targets=("sm_90",), rows=(
         target="shim.sm90.backend:Sm90Fp8TensorBackend",
     ),
     KernelFormat(
-        # MXFP4 weights x FP8 activations, swap-AB only. The module arrived with drop 0.7.4 (the class it exports,
-        # Sm90MegaMoESwapABMxfp4Fp8Kernel, sits in megamoe_kernel_fp8.py beside the FP8 ones): on an older tree
-        # this row lists as unavailable and a layer asking for it is refused naming the module.
+        # MXFP4 weights x FP8 activations, swap-AB only. Its class sits in megamoe_kernel_fp8.py beside the FP8
+        # ones, but it arrived with drop 0.7.4 together with its mainloop module: on an older tree (which has
+        # megamoe_kernel_fp8.py without it) this row lists as unavailable naming that module.
         backend="sm90_w4a8_mxfp4_cutedsl", arch="sm90", fmt="w4a8_mxfp4",
         description="Hopper MXFP4 weights x FP8 activations MegaMoE (CuTe DSL)",
         hidden_multiple=128, intermediate_multiple=128,
-        kernel_module="moe_hopper_fp8.kernel_mxfp4_fp8_glu_fc12_swapab",
+        kernel_module="moe_hopper_fp8.megamoe_kernel_fp8",
         kernel_classes=("Sm90MegaMoESwapABMxfp4Fp8Kernel",),
+        requires=("moe_hopper_fp8.kernel_mxfp4_fp8_glu_fc12_swapab",),
         scale_mode="mxfp4_hybrid",
         frontend="shim.sm90.w4a8_frontend:Sm90W4A8Frontend",
         target="shim.sm90.backend:Sm90W4A8Mxfp4Backend",

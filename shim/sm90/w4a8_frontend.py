@@ -55,11 +55,9 @@ class Sm90W4A8Frontend(Sm90Frontend):
         else:
             fp8_staging.stage_fp8_rows_reference(x, self.act, self.act_sf)
 
-    def compile(self):
-        compiled = super().compile()
-        if not self.compile_only and self.staging != "fused":
+    def check_on_device(self) -> None:
+        if self.staging != "fused":
             self.staging = self._check_fused_staging()
-        return compiled
 
     def _check_fused_staging(self) -> str:
         """"fused" when the fused per-row kernel gives the format quantizer's bytes on this device, else "torch"."""

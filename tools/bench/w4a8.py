@@ -134,17 +134,29 @@ NO_KERNEL = ("no Hopper kernel in the pinned tree: FlashInfer 0.7.4 ships Sm90Me
              "kernel_src/sm90/pull_style_cutedsl_megakernel/shim/nvfp4_kernels.py, outside the pinned src/ tree")
 
 
-def _backend_cls(fmt: str):
-    """The sm90 kernel backend serving `fmt`, or None when no Hopper kernel does."""
-    from moe_ep.core.registry import list_backends, resolve_backend
+def _row_name(fmt: str) -> Optional[str]:
+    """The sm90 kernel backend registered for `fmt`, or None when no Hopper kernel serves it."""
+    from moe_ep.core.registry import list_backends
 
     names = [n for n, b in list_backends().items() if b.arch == "sm90" and fmt in b.formats]
-    return resolve_backend(names[0]) if names else None
+    return names[0] if names else None
+
+
+def _backend_cls(fmt: str):
+    from moe_ep.core.registry import resolve_backend
+
+    return resolve_backend(_row_name(fmt))
 
 
 def _unavailable(fmt: str) -> Optional[str]:
-    cls = _backend_cls(fmt)
-    return NO_KERNEL if cls is None else cls.unavailable_reason()
+    """Why no Hopper kernel runs `fmt` here (none in the table, or its module missing from the tree), or None."""
+    from moe_ep.core.registry import list_backends
+
+    name = _row_name(fmt)
+    if name is None:
+        return NO_KERNEL
+    info = list_backends()[name]
+    return None if info.available else info.reason
 
 
 def _frontend(fmt: str, geom: str, capacity: int, device, compile_only: bool = False):

@@ -34,11 +34,12 @@ def test_registered_and_resolvable(name):
 
 
 def test_availability_on_the_pinned_tree():
-    from shim.sm90 import backend
+    info = moe_ep.list_backends()
+    assert info["sm90_fp8_tensor_cutedsl"] == ("sm90", ("fp8_tensor",), True)
+    assert info["sm90_w4a8_mxfp4_cutedsl"] == ("sm90", ("w4a8_mxfp4",), True)
+    from shim.sm90.formats import BACKENDS
 
-    assert backend.Sm90Fp8TensorBackend.unavailable_reason() is None
-    assert backend.Sm90W4A8Mxfp4Backend.unavailable_reason() is None
-    assert backend.Sm90W4A8Mxfp4Backend.kernel_module == MXFP4_MODULE
+    assert MXFP4_MODULE in BACKENDS.row("w4a8_mxfp4").requires
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +91,23 @@ def _tree_without(root: str, missing: str, dest: str) -> None:
 
 
 def test_a_tree_without_the_w4a8_kernel_refuses_the_layer_naming_the_module(tmp_path):
-    """On a Hopper host (its device check stood in for) with a tree that lacks the W4A8 module."""
+    """The pinned tree minus the W4A8 module (as drop 0.7.2.post1 has it): list_backends() says the W4A8 backend is
+    unavailable and why, per-tensor FP8 stays available, and a layer asking for W4A8 on a Hopper host (its device
+    check stood in for) is refused naming the module, before any W4A8 module is imported."""
     from shim.common import tree
 
     old = tmp_path / "sm90_without_mxfp4"
     _tree_without(tree.locate("sm90"), MXFP4_MODULE, str(old))
     code = textwrap.dedent("""
-        import os, warnings
-        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+        import json, sys, warnings
         warnings.simplefilter("ignore")
         import torch
         import moe_ep
         import moe_ep.core.layer
         from tests.support.dist import one_rank_gloo_group
         moe_ep.core.layer.require_arch = lambda *a, **k: None  # as on a Hopper host (the device check passed)
-        from shim.common.backend import compile_only_frontend
-        from shim.sm90 import backend
+        info = moe_ep.list_backends()
+        out = {n: [info[n].available, info[n].reason] for n in ("sm90_fp8_tensor_cutedsl", "sm90_w4a8_mxfp4_cutedsl")}
         spec = moe_ep.MoESpec(hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=16)
         w = moe_ep.ExpertWeights(torch.zeros(4, 256, 256, dtype=torch.bfloat16),
                                  torch.zeros(4, 256, 128, dtype=torch.bfloat16), rank=0, world_size=1, num_experts=4)
@@ -113,27 +115,25 @@ def test_a_tree_without_the_w4a8_kernel_refuses_the_layer_naming_the_module(tmp_
             try:
                 moe_ep.MoELayer(spec, w, backend="sm90_w4a8_mxfp4_cutedsl")
             except moe_ep.BackendUnavailableError as e:
-                print("LAYER", e.argument, e)
-        try:
-            compile_only_frontend("sm90_w4a8_mxfp4_cutedsl", spec)
-        except moe_ep.BackendUnavailableError as e:
-            print("COMPILE", e.argument, e)
-        print("FP8_TENSOR", backend.Sm90Fp8TensorBackend.unavailable_reason())
-        import sys
-        print("LOADED", sorted(m for m in sys.modules if "mxfp4" in m))
+                out["layer"] = [e.argument, str(e)]
+        out["loaded"] = sorted(m for m in sys.modules if "mxfp4" in m)
+        print(json.dumps(out))
     """)
     # This process's path without the pinned tree (one tree per process: the child loads the other one).
-    env = dict(os.environ, MOE_EP_SM90_TREE=str(old), MOE_EP_UNPINNED_TREE="sm90",
+    env = dict(os.environ, MOE_EP_SM90_TREE=str(old), MOE_EP_UNPINNED_TREE="sm90", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join(p for p in sys.path
                                           if p and not os.path.isdir(os.path.join(p, "moe_hopper_fp8"))))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
-    layer = next(line for line in out.splitlines() if line.startswith("LAYER"))
-    assert layer.startswith("LAYER backend") and f"'{MXFP4_MODULE}'" in layer and "0.7.4" in layer
-    assert f"'{MXFP4_MODULE}'" in next(line for line in out.splitlines() if line.startswith("COMPILE backend"))
-    assert "FP8_TENSOR None" in out  # per-tensor FP8 needs nothing newer
-    assert "LOADED []" in out  # refused before anything imported a W4A8 module
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["sm90_fp8_tensor_cutedsl"] == [True, ""]  # per-tensor FP8 needs nothing newer
+    available, reason = out["sm90_w4a8_mxfp4_cutedsl"]
+    assert not available and MXFP4_MODULE in reason and str(old) in reason
+    argument, message = out["layer"]
+    assert argument == "backend" and MXFP4_MODULE in message
+    assert out["loaded"] == []  # refused before anything imported a W4A8 module
 
 
 if __name__ == "__main__":
