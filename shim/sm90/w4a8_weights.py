@@ -53,6 +53,16 @@ class Sm90W4A8KernelWeights:
         return QuantizedWeights(self.fmt, c13, c2, s13, s2, expert_offset=self.expert_offset)
 
 
+    def replace_experts(self, slots, qw: QuantizedWeights) -> None:
+        """Write qw's experts (canonical w4a8_mxfp4) over experts `slots`, in place and laid out as a load lays
+        them (the scale window and residual are per expert, so one expert's layout does not depend on another's):
+        the kernel's tensors keep their addresses (an EPLB swap)."""
+        for i, s in enumerate(slots):
+            part = layout_quantized(qw.experts(slice(i, i + 1)), self.fc1.device)
+            for name in ("fc1", "fc1_sf", "fc1_residual", "fc2", "fc2_sf", "fc2_residual"):
+                getattr(self, name)[s:s + 1].copy_(getattr(part, name))
+
+
 def _check_window(residual: torch.Tensor, leg: str) -> None:
     if not bool(torch.isfinite(residual).all()) or not bool((residual > 0).all()):
         raise FormatError(f"weights.{leg}", "an expert's MXFP4 scales are outside what the kernel's fp32 "

@@ -23,18 +23,19 @@ def _bytes(t):
     return t.transpose(-1, -2).contiguous().view(torch.uint8) if t.dim() == 3 else t.contiguous().view(torch.uint8)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor", "bf16"])
 def test_a_swap_leaves_the_bytes_of_a_fresh_load_at_the_same_addresses(fmt):
     w13, w2 = _w(5)
     n13, n2 = _w(2, seed=1)
-    kw = weights.prepare_weights(fmt, w13, w2, torch.device("cpu"), expert_offset=5)
+    cal = dict(act_amax=3.0, fc2_act_amax=0.5) if fmt == "fp8_tensor" else {}
+    kw = weights.prepare_weights(fmt, w13, w2, torch.device("cpu"), expert_offset=5, **cal)
     before = {f: (getattr(kw, f).data_ptr(), _bytes(getattr(kw, f)).clone())
               for f in FIELDS if getattr(kw, f) is not None}
     slots = [3, 0]
-    kw.replace_experts(slots, quantize_weights(fmt, n13, n2))
+    kw.replace_experts(slots, quantize_weights(fmt, n13, n2, **cal))
     want13, want2 = w13.clone(), w2.clone()
     want13[slots], want2[slots] = n13, n2
-    fresh = weights.prepare_weights(fmt, want13, want2, torch.device("cpu"), expert_offset=5)
+    fresh = weights.prepare_weights(fmt, want13, want2, torch.device("cpu"), expert_offset=5, **cal)
     for f, (ptr, old) in before.items():
         got = getattr(kw, f)
         assert got.data_ptr() == ptr, f  # written in place: the compiled kernel's arguments stay valid
@@ -43,6 +44,15 @@ def test_a_swap_leaves_the_bytes_of_a_fresh_load_at_the_same_addresses(fmt):
         if got.dim() == 3:
             assert torch.equal(_bytes(got)[untouched], old[untouched]), f
     assert kw.canonical().expert_offset == 5
+
+
+def test_per_tensor_experts_must_share_the_layers_static_activation_scales():
+    import moe_ep
+
+    kw = weights.prepare_weights("fp8_tensor", *_w(3), torch.device("cpu"), act_amax=3.0, fc2_act_amax=0.5)
+    with pytest.raises(moe_ep.FormatError) as e:
+        kw.replace_experts([1], quantize_weights("fp8_tensor", *_w(1, seed=2), act_amax=6.0, fc2_act_amax=0.5))
+    assert e.value.argument == "weights.act_scale"
 
 
 def test_quantized_input_is_written_as_it_is():

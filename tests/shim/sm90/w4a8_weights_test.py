@@ -74,5 +74,21 @@ def test_nan_weights_are_refused_with_a_typed_error():
     assert e.value.argument == "weights.w2" and "NaN" in str(e.value)
 
 
+def test_replacing_experts_in_place_is_a_fresh_load_of_them():
+    w13, w2 = _w()
+    kw = w4a8_weights.prepare_weights(w13, w2, torch.device("cpu"), expert_offset=3)
+    ptrs = [kw.fc1.data_ptr(), kw.fc2.data_ptr(), kw.fc1_sf.data_ptr(), kw.fc1_residual.data_ptr()]
+    g = torch.Generator().manual_seed(9)
+    new13, new2 = (torch.randn(2, *w13.shape[1:], generator=g) * 4).bfloat16(), torch.randn(2, *w2.shape[1:],
+                                                                                             generator=g).bfloat16()
+    kw.replace_experts([2, 0], quantize_weights("w4a8_mxfp4", new13, new2))
+    assert [kw.fc1.data_ptr(), kw.fc2.data_ptr(), kw.fc1_sf.data_ptr(), kw.fc1_residual.data_ptr()] == ptrs
+    want = quantize_weights("w4a8_mxfp4", torch.stack([new13[1], w13[1], new13[0]]),
+                            torch.stack([new2[1], w2[1], new2[0]]), expert_offset=3)
+    got = kw.canonical()
+    for name in ("w13_q", "w2_q", "w13_scale", "w2_scale"):
+        assert _same(getattr(got, name), getattr(want, name)), name
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
