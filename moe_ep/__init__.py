@@ -19,7 +19,8 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError,
                                 LayerClosedError, RegistrationError, RankDivergenceError, PeerLostError,
                                 DeviceUnavailableError, CheckConfigError,
-                                IntegrationError, ExpertMapError, LoadCountsError)
+                                IntegrationError, ExpertMapError, LoadCountsError, CheckpointError,
+                                InexactCheckpointError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
@@ -28,12 +29,12 @@ from moe_ep.core.registry import (BackendInfo, detect_arch, list_backends, regis
                                   unregister_backend)
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.watchdog import WATCHDOG_EXIT_CODE, watch
-from moe_ep.core.weights import ExpertWeights
+from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.eplb import ExpertMap
 from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights
 
 __all__ = [
-    "MoESpec", "ExpertWeights", "QuantizedWeights", "QuantizedActivation", "MoELayer", "MoEModule", "Backend", "RankContext", "init_from_env",
+    "MoESpec", "ExpertWeights", "QuantizedExpertWeights", "QuantizedWeights", "QuantizedActivation", "MoELayer", "MoEModule", "Backend", "RankContext", "init_from_env",
     "FORMATS", "BackendInfo", "list_backends", "register_backend", "unregister_backend", "select_backend",
     "detect_arch", "capture_graph", "watch", "WATCHDOG_EXIT_CODE", "ExpertMap",
     "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError", "NonContiguousError",
@@ -45,4 +46,5 @@ __all__ = [
     "DeviceUnavailableError",
     "CheckConfigError", "IntegrationError",
     "ExpertMapError", "LoadCountsError",
+    "CheckpointError", "InexactCheckpointError",
 ]

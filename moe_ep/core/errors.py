@@ -20,6 +20,7 @@ __all__ = [
     "DeviceUnavailableError",
     "CheckConfigError", "IntegrationError",
     "ExpertMapError", "LoadCountsError",
+    "CheckpointError", "InexactCheckpointError",
 ]
 
 
@@ -212,3 +213,24 @@ class ExpertMapError(MoEError, ValueError):
 
 class LoadCountsError(MoEError, RuntimeError):
     """load_counts() on a layer built without load counters (MoELayer(..., count_load=False))."""
+
+
+class CheckpointError(MoEError, ValueError):
+    """A checkpoint cannot be loaded as asked: a missing tensor or file, a tensor of the wrong dtype or shape, a
+    block size or format the chosen backend cannot take, a convention moe_ep does not serve. ``argument`` is the
+    tensor's name (or the checkpoint's, when no single tensor is at fault); ``tensor`` and ``file`` say which
+    tensor of which file."""
+
+    def __init__(self, tensor: Optional[str], message: str, file: Optional[str] = None):
+        self.tensor = tensor
+        self.file = file
+        super().__init__(tensor, f"{message} (file {file})" if file else message)
+
+
+class InexactCheckpointError(CheckpointError):
+    """Loading would change some of the checkpoint's values (moe_ep's format cannot hold them as they are) and
+    exactness was asked for. ``report`` (moe_ep.checkpoint.ExactnessReport) says how many and by how much."""
+
+    def __init__(self, tensor: Optional[str], message: str, file: Optional[str] = None, report=None):
+        self.report = report
+        super().__init__(tensor, message, file)

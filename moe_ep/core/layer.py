@@ -14,7 +14,7 @@ from moe_ep.core.errors import CapacityError, DTypeError, FormatError, LayerClos
 from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.core.validate import (check_expert_ids, check_schedule, checks_mode, validate_forward,
                                   validate_spec_for_backend, validate_weights)
-from moe_ep.core.weights import ExpertWeights
+from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.eplb import ExpertMap, SlotRouter
 from moe_ep.eplb import placement as eplb_placement
 from moe_ep.eplb import swap as eplb_swap
@@ -98,6 +98,9 @@ class MoELayer(LayerGeometry):
         self._watch = None
         self._watch_paused = False
         self.handle = op.register_layer(self)
+
+        if fmt is None and isinstance(weights, QuantizedExpertWeights):
+            fmt = weights.fmt  # already quantized: the layer runs in the pack's format
 
         def resolve():
             if backend is None or backend == "auto":

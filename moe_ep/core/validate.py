@@ -16,7 +16,7 @@ from moe_ep.core.errors import (CapacityError, CheckConfigError, DeviceError, DT
                                 WorldSizeError)
 from moe_ep.formats import format_info
 from moe_ep.core.spec import MoESpec
-from moe_ep.core.weights import ExpertWeights
+from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 
 __all__ = ["validate_weights", "validate_spec_for_backend", "validate_forward", "check_expert_ids", "CHECKS_ENV",
            "checks_mode", "check_schedule"]
@@ -37,11 +37,14 @@ def _same_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 
 def validate_weights(spec: MoESpec, weights: ExpertWeights, ctx: RankContext, fmt: str) -> None:
-    if not isinstance(weights, ExpertWeights):
-        raise DTypeError("weights", f"expected moe_ep.ExpertWeights, got {type(weights).__name__}")
+    if not isinstance(weights, (ExpertWeights, QuantizedExpertWeights)):
+        raise DTypeError("weights", f"expected moe_ep.ExpertWeights or moe_ep.QuantizedExpertWeights, got "
+                                    f"{type(weights).__name__}")
     if spec.num_experts % ctx.world_size:
         raise WorldSizeError("world_size", f"the group's world size {ctx.world_size} does not divide "
                                            f"num_experts={spec.num_experts}")
+    if isinstance(weights, QuantizedExpertWeights):
+        return weights.check_for(spec, ctx.rank, ctx.world_size, fmt)
     if weights.num_experts != spec.num_experts:
         raise WeightsRankError("weights", f"built for num_experts={weights.num_experts}, spec has {spec.num_experts}")
     if weights.world_size != ctx.world_size:

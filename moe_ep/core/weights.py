@@ -1,5 +1,6 @@
-"""The canonical bf16 expert weights one rank owns (ExpertWeights). The quantized weights a backend computes
-with are moe_ep.formats.QuantizedWeights.
+"""The expert weights one rank owns: bf16 (ExpertWeights: the layer quantizes them into its format) or already
+quantized (QuantizedExpertWeights: a moe_ep.formats.QuantizedWeights pack the backend lays out as it is, never
+requantized; what moe_ep.checkpoint builds from a quantized checkpoint).
 
 Canonical layout (every backend derives its kernel layout from this, once, at load):
   w13 [E_local, 2I, H] bf16, rows [0, I) gate and [I, 2I) up;  w2 [E_local, H, I] bf16.
@@ -9,18 +10,35 @@ Experts are owned in contiguous blocks: rank r holds global experts [r*E_local, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from moe_ep.core.errors import CalibrationError, DTypeError, ShapeError, WeightsRankError, WorldSizeError
+from moe_ep.core.errors import (CalibrationError, DeviceError, DTypeError, FormatError, ShapeError, WeightsRankError,
+                                WorldSizeError)
+from moe_ep.formats import QuantizedWeights, codecs, format_violations
 
-__all__ = ["ExpertWeights", "owner_rank"]
+__all__ = ["ExpertWeights", "QuantizedExpertWeights", "owner_rank"]
 
 
 def owner_rank(expert: int, num_experts: int, world_size: int) -> int:
     return expert // (num_experts // world_size)
+
+
+def _check_ownership(prefix: str, rank, world_size, num_experts) -> int:
+    """E_local, after checking rank / world size / expert count are ints that fit together."""
+    for name, v in (("rank", rank), ("world_size", world_size), ("num_experts", num_experts)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise WeightsRankError(f"{prefix}.{name}", f"expected an int, got {v!r}")
+    if world_size <= 0:
+        raise WorldSizeError(f"{prefix}.world_size", f"expected a positive int, got {world_size}")
+    if num_experts <= 0 or num_experts % world_size:
+        raise WorldSizeError(f"{prefix}.world_size",
+                             f"world size {world_size} does not divide num_experts={num_experts}")
+    if not 0 <= rank < world_size:
+        raise WeightsRankError(f"{prefix}.rank", f"expected 0 <= rank < {world_size}, got {rank}")
+    return num_experts // world_size
 
 
 def _check_amax(name: str, value) -> Optional[float]:
@@ -57,18 +75,7 @@ class ExpertWeights:
                 raise DTypeError(f"weights.{name}", f"expected dtype torch.bfloat16, got {t.dtype}")
             if t.dim() != 3:
                 raise ShapeError(f"weights.{name}", f"expected a 3-D tensor, got shape {tuple(t.shape)}")
-        for name in ("rank", "world_size", "num_experts"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise WeightsRankError(f"weights.{name}", f"expected an int, got {v!r}")
-        if self.world_size <= 0:
-            raise WorldSizeError("weights.world_size", f"expected a positive int, got {self.world_size}")
-        if self.num_experts <= 0 or self.num_experts % self.world_size:
-            raise WorldSizeError("weights.world_size",
-                                 f"world size {self.world_size} does not divide num_experts={self.num_experts}")
-        if not 0 <= self.rank < self.world_size:
-            raise WeightsRankError("weights.rank", f"expected 0 <= rank < {self.world_size}, got {self.rank}")
-        e_local = self.num_experts // self.world_size
+        e_local = _check_ownership("weights", self.rank, self.world_size, self.num_experts)
         e1, n2, h = self.w13.shape
         e2, h2, i = self.w2.shape
         if e1 != e_local or n2 % 2:
@@ -108,3 +115,183 @@ class ExpertWeights:
         sl = slice(rank * n, (rank + 1) * n)
         return cls(w13_all[sl].clone(memory_format=torch.contiguous_format),
                    w2_all[sl].clone(memory_format=torch.contiguous_format), rank, world_size, e, **calibration)
+
+    @staticmethod
+    def from_quantized(qw: QuantizedWeights, rank: int, world_size: int, num_experts: int,
+                       report=None) -> "QuantizedExpertWeights":
+        """Already-quantized experts for a layer: qw holds this rank's E_local experts, or all num_experts (this
+        rank's block is taken). The backend lays out qw's bytes as they are (no requantization); the layer runs
+        in qw.fmt. See QuantizedExpertWeights."""
+        return QuantizedExpertWeights.of(qw, rank, world_size, num_experts, report=report)
+
+
+_F32, _E4M3, _U8 = torch.float32, torch.float8_e4m3fn, torch.uint8
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def pack_rules(fmt: str, e: int, h: int, i: int) -> Dict[str, Optional[Tuple[torch.dtype, Tuple[int, ...]]]]:
+    """What a QuantizedWeights pack of `fmt` holding e experts of hidden h, intermediate i must carry: field ->
+    (dtype, shape), or None where the field must be absent (moe_ep.formats.QuantizedWeights' docstring)."""
+    def q(dtype):
+        return dict(w13_q=(dtype, (e, 2 * i, h)), w2_q=(dtype, (e, h, i)))
+
+    none = dict.fromkeys(("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "act_scale",
+                          "fc2_act_scale"))
+    if fmt == "bf16":
+        return {**none, **q(torch.bfloat16)}
+    if fmt == "fp8_block":
+        return {**none, **q(_E4M3), "w13_scale": (_F32, (e, 2 * i // 128, h // 128)),
+                "w2_scale": (_F32, (e, h // 128, i // 128))}
+    if fmt == "fp8_tensor":
+        return {**none, **q(_E4M3), "w13_scale": (_F32, (e,)), "w2_scale": (_F32, (e,)), "act_scale": (_F32, (1,)),
+                "fc2_act_scale": (_F32, (1,))}
+    if fmt == "mxfp8":
+        return {**none, **q(_E4M3), "w13_scale": (_E8M0, (e, 2 * i, h // 32)), "w2_scale": (_E8M0, (e, h, i // 32))}
+    if fmt == "nvfp4":
+        return {**q(_U8), "w13_scale": (_E4M3, (e, 2 * i, h // 16)), "w2_scale": (_E4M3, (e, h, i // 16)),
+                "w13_global_scale": (_F32, (e,)), "w2_global_scale": (_F32, (e,)), "act_scale": (_F32, (1,)),
+                "fc2_act_scale": (_F32, (e,))}
+    if fmt == "w4a8_mxfp4":
+        return {**none, **q(_U8), "w13_scale": (_E8M0, (e, 2 * i, h // 32)), "w2_scale": (_E8M0, (e, h, i // 32))}
+    if fmt == "w4a8_nvfp4":
+        return {**none, **q(_U8), "w13_scale": (_E4M3, (e, 2 * i, h // 16)), "w2_scale": (_E4M3, (e, h, i // 16)),
+                "w13_global_scale": (_F32, (e,)), "w2_global_scale": (_F32, (e,))}
+    raise FormatError("weights.fmt", f"moe_ep does not know the pack layout of fmt {fmt!r}")
+
+
+# fp32 fields that are multipliers or divisors: a zero, negative, NaN or inf one is never a checkpoint's intent.
+_POSITIVE = ("w13_global_scale", "w2_global_scale", "act_scale", "fc2_act_scale")
+
+
+def check_pack(qw: QuantizedWeights, prefix: str = "weights.qw") -> None:
+    """Dtype, shape, device and value-range checks of a QuantizedWeights pack against its format's rules."""
+    if not isinstance(qw, QuantizedWeights):
+        raise DTypeError(prefix, f"expected moe_ep.QuantizedWeights, got {type(qw).__name__}")
+    for name in ("w13_q", "w2_q"):
+        t = getattr(qw, name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ShapeError(f"{prefix}.{name}", f"expected a 3-D tensor, got {getattr(t, 'shape', t)!r}")
+    e, n2, h = qw.w13_q.shape
+    i = qw.w2_q.shape[2]
+    if n2 != 2 * i:
+        raise ShapeError(f"{prefix}.w13_q", f"expected [E, 2*I, H] with I = {i} (from w2_q [E, H, I]), "
+                                            f"got {list(qw.w13_q.shape)}")
+    for arg, msg in format_violations(qw.fmt, h, i):
+        raise ShapeError(f"{prefix}.{'w13_q' if arg == 'hidden_size' else 'w2_q'}", msg)
+    device = qw.w13_q.device
+    for name, rule in pack_rules(qw.fmt, e, h, i).items():
+        t = getattr(qw, name)
+        arg = f"{prefix}.{name}"
+        if rule is None:
+            if t is not None:
+                raise ShapeError(arg, f"fmt {qw.fmt!r} carries no {name}; got a tensor")
+            continue
+        dtype, shape = rule
+        if not isinstance(t, torch.Tensor):
+            raise DTypeError(arg, f"fmt {qw.fmt!r} needs {name} as a {dtype} tensor {list(shape)}, got {t!r}")
+        if t.dtype != dtype:
+            raise DTypeError(arg, f"expected dtype {dtype} for fmt {qw.fmt!r}, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ShapeError(arg, f"expected {list(shape)} for fmt {qw.fmt!r}, got {list(t.shape)}")
+        if t.device != device:
+            raise DeviceError(arg, f"expected every tensor of the pack on {device} (w13_q's), got {t.device}")
+        if name in _POSITIVE and not bool(torch.isfinite(t).all() and (t > 0).all()):
+            raise ShapeError(arg, f"expected finite positive values, got {t.flatten()[:8].tolist()}")
+    if qw.fmt == "w4a8_mxfp4":  # the kernel's exponent window, per expert and weight tensor
+        for name in ("w13_scale", "w2_scale"):
+            for x, sc in enumerate(getattr(qw, name)):
+                c = sc.view(torch.uint8)
+                c = c[c != 255]
+                if c.numel() and int(c.max()) - int(c.min()) > codecs.MXFP4_MAX_SCALE_RANGE:
+                    raise ShapeError(f"{prefix}.{name}", f"expert {x}'s e8m0 scales span {int(c.max()) - int(c.min())} "
+                                                         f"binades; w4a8_mxfp4 carries {codecs.MXFP4_MAX_SCALE_RANGE}"
+                                                         f" (codecs.mxfp4_limit_scale_range brings a pack into it, "
+                                                         f"changing values: a requantization moe_ep does not do here)")
+    if qw.fmt in ("nvfp4", "w4a8_mxfp4", "w4a8_nvfp4"):
+        for name in ("w13_q", "w2_q"):
+            for x, codes in enumerate(getattr(qw, name)):  # an expert at a time: no pack-sized temporary
+                if bool((codes > 15).any()):
+                    raise ShapeError(f"{prefix}.{name}", f"{qw.fmt} codes are e2m1, one per byte (0..15); expert "
+                                                         f"{x} has a larger byte")
+
+
+@dataclass
+class QuantizedExpertWeights:
+    """The already-quantized expert weights one rank owns: qw (moe_ep.QuantizedWeights, canonical layout, this
+    rank's E_local experts, expert_offset = rank * E_local) is laid out for the kernel as it is. The layer runs
+    in qw.fmt; asking it for another fmt is a FormatError (moe_ep never requantizes a given pack), and so is a
+    backend that does not serve qw.fmt. Statically scaled formats carry their activation scales in qw.
+
+    report: how these bytes relate to the checkpoint they came from (moe_ep.checkpoint.ExactnessReport), or None.
+    Build with ExpertWeights.from_quantized (or QuantizedExpertWeights.of).
+    """
+
+    qw: QuantizedWeights
+    rank: int
+    world_size: int
+    num_experts: int
+    report: Any = None
+
+    def __post_init__(self):
+        e_local = _check_ownership("weights", self.rank, self.world_size, self.num_experts)
+        check_pack(self.qw)
+        if self.qw.num_experts != e_local:
+            raise ShapeError("weights.qw", f"expected this rank's {e_local} experts (num_experts / world_size), "
+                                           f"got a pack of {self.qw.num_experts}")
+        if self.qw.expert_offset != self.rank * e_local:
+            raise WeightsRankError("weights.qw.expert_offset",
+                                   f"rank {self.rank} owns experts from {self.rank * e_local}; the pack starts at "
+                                   f"{self.qw.expert_offset}")
+
+    @classmethod
+    def of(cls, qw: QuantizedWeights, rank: int, world_size: int, num_experts: int,
+           report=None) -> "QuantizedExpertWeights":
+        """qw holding this rank's E_local experts (its expert_offset is set to this rank's first expert), or all
+        num_experts (this rank's contiguous block is taken, as views)."""
+        e_local = _check_ownership("weights", rank, world_size, num_experts)
+        if not isinstance(qw, QuantizedWeights):
+            raise DTypeError("weights.qw", f"expected moe_ep.QuantizedWeights, got {type(qw).__name__}")
+        if world_size > 1 and qw.num_experts == num_experts:
+            qw = replace(qw, expert_offset=0).experts(slice(rank * e_local, (rank + 1) * e_local))
+        elif qw.num_experts == e_local:
+            qw = replace(qw, expert_offset=rank * e_local)
+        return cls(qw, rank, world_size, num_experts, report)
+
+    @property
+    def fmt(self) -> str:
+        return self.qw.fmt
+
+    def check_for(self, spec, rank: int, world_size: int, fmt: str) -> None:
+        """The layer's checks: built for this rank, world size and spec, and asked for the pack's own format."""
+        if fmt != self.qw.fmt:
+            raise FormatError("fmt", f"the weights are already quantized as {self.qw.fmt!r}; a layer in {fmt!r} "
+                                     f"would have to requantize them, which moe_ep never does (leave fmt unset or "
+                                     f"pass fmt={self.qw.fmt!r})")
+        if self.num_experts != spec.num_experts:
+            raise WeightsRankError("weights", f"built for num_experts={self.num_experts}, spec has {spec.num_experts}")
+        if self.world_size != world_size:
+            raise WeightsRankError("weights", f"built for world_size={self.world_size}, the group has {world_size} "
+                                              f"ranks")
+        if self.rank != rank:
+            raise WeightsRankError("weights", f"built for rank {self.rank} (experts {self.expert_offset}.."
+                                              f"{self.expert_offset + self.experts_per_rank - 1}), this is rank {rank}")
+        if (self.hidden_size, self.intermediate_size) != (spec.hidden_size, spec.intermediate_size):
+            raise ShapeError("weights.qw", f"holds experts of hidden {self.hidden_size}, intermediate "
+                                           f"{self.intermediate_size}; the spec has {spec.hidden_size}, "
+                                           f"{spec.intermediate_size}")
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def expert_offset(self) -> int:
+        return self.rank * self.experts_per_rank
+
+    @property
+    def hidden_size(self) -> int:
+        return self.qw.hidden_size
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.qw.intermediate_size

@@ -19,7 +19,7 @@ import torch
 from moe_ep.core.backend import Backend
 from moe_ep.core.dist import all_to_all_rows
 from moe_ep.core.watchdog import divergence, sequence
-from moe_ep.core.weights import ExpertWeights
+from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.formats import QuantizedActivation, QuantizedWeights, packs
 from moe_ep.reference import ffn
 
@@ -46,6 +46,9 @@ class TorchReferenceBackend(Backend):
 
     def prepare_weights(self, weights: ExpertWeights) -> None:
         dev = self.ctx.device
+        if isinstance(weights, QuantizedExpertWeights):
+            self._qw = weights.qw.to(dev)  # the given bytes, as they are (a copy only when on another device)
+            return
         self._qw = packs.quantize_weights(self.fmt, weights.w13.to(dev), weights.w2.to(dev),
                                           act_amax=weights.act_amax, fc2_act_amax=weights.fc2_act_amax,
                                           expert_offset=weights.expert_offset)

@@ -67,9 +67,7 @@ class Sm100Frontend(MegaMoEFrontend):
                                f"{self.kernel_interleave()}; the weight packer assumes {GATE_UP_INTERLEAVE[self.fmt]}")
 
     def prepare_weights(self, weights):
-        return sm100_weights.prepare_weights(self.fmt, weights.w13, weights.w2, self.device,
-                                             expert_offset=weights.expert_offset, act_amax=weights.act_amax,
-                                             fc2_act_amax=weights.fc2_act_amax)
+        return sm100_weights.prepare(self.fmt, weights, self.device)
 
     def placeholder_weights(self):
         return sm100_weights.placeholder_weights(self.fmt, self.experts_per_rank, self.hidden_size,

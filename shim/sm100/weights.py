@@ -1,8 +1,10 @@
-"""Canonical bf16 expert weights -> the Blackwell kernels' weight layouts (NVFP4, MXFP8, BF16), and back.
+"""Expert weights -> the Blackwell kernels' weight layouts (NVFP4, MXFP8, BF16), and back.
 
-The quantization is moe_ep's format quantizer (`moe_ep.formats.quantize_weights(fmt, ...)`), as in the Hopper
-shim, so the kernel computes with exactly the bytes the oracle checks against. This module lays them out
-the way the drop's kernels read them (facts from the drop's runners and kernels, 0.7.2.post1; unchanged in 0.7.4):
+Two ways in, as in the Hopper shim: canonical bf16 (`prepare_weights`: quantized by moe_ep's format quantizer,
+`moe_ep.formats.quantize_weights(fmt, ...)`, so the kernel computes with exactly the bytes the oracle checks
+against) or an already-quantized pack (`prepare_quantized`: a checkpoint's bytes as they are). This module lays
+them out the way the drop's kernels read them (facts from the drop's runners and kernels, 0.7.2.post1; unchanged
+in 0.7.4):
 
   * FC1 rows: gate and up interleaved in groups of G -- g0..g(G-1), u0..u(G-1), gG.. -- where G is the
     kernel's SwiGLU pairing: 16 for NVFP4 (SwapABSwigluFp4Epilogue), 32 for MXFP8 and BF16
@@ -28,11 +30,13 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_ep.core.errors import FormatError
+from moe_ep.core.weights import QuantizedExpertWeights
 from moe_ep.formats import QuantizedWeights, codecs, packs
 
 __all__ = ["GATE_UP_INTERLEAVE", "SCALE_BLOCK", "SF_ATOM_ROWS", "SF_ATOM_COLS", "Sm100KernelWeights",
            "round_up", "swizzled_scale_numel", "swizzle_scales", "unswizzle_scales", "pack_e2m1", "unpack_e2m1",
-           "prepare_weights", "placeholder_weights"]
+           "prepare", "prepare_weights", "prepare_quantized", "placeholder_weights"]
 
 # The kernels' SwiGLU gate/up pairing (checked against the drop at kernel build).
 GATE_UP_INTERLEAVE = {"nvfp4": 16, "mxfp8": 32, "bf16": 32}
@@ -207,6 +211,28 @@ def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch
     qw = packs.quantize_weights(fmt, w13.to(device), w2.to(device), act_amax=act_amax, fc2_act_amax=fc2_act_amax,
                                 expert_offset=expert_offset)
     return _lay_out(qw)
+
+
+def prepare_quantized(qw: QuantizedWeights, device: torch.device) -> Sm100KernelWeights:
+    """Lay out an already-quantized pack (nvfp4, mxfp8 or bf16, canonical layout) for its kernel, bit for bit: its
+    codes, block scales and global scales are moved to `device` and rearranged (gate/up interleave, e2m1 pairs,
+    swizzled scale atoms), never requantized; the NVFP4 epilogue scalars are derived from its global scales as for
+    a pack quantized here."""
+    if qw.fmt not in GATE_UP_INTERLEAVE:
+        raise FormatError("weights.qw.fmt", f"the sm100 weight layouts serve {sorted(GATE_UP_INTERLEAVE)}, not "
+                                            f"{qw.fmt!r}")
+    return _lay_out(qw.to(device))
+
+
+def prepare(fmt: str, weights, device: torch.device) -> Sm100KernelWeights:
+    """The layer's weights (moe_ep.ExpertWeights: quantized here; moe_ep.QuantizedExpertWeights: laid out as
+    given) -> the `fmt` kernel's."""
+    if isinstance(weights, QuantizedExpertWeights):
+        if weights.fmt != fmt:
+            raise FormatError("fmt", f"the weights are quantized as {weights.fmt!r}, the sm100 kernel runs {fmt!r}")
+        return prepare_quantized(weights.qw, device)
+    return prepare_weights(fmt, weights.w13, weights.w2, device, expert_offset=weights.expert_offset,
+                           act_amax=weights.act_amax, fc2_act_amax=weights.fc2_act_amax)
 
 
 def placeholder_weights(fmt: str, experts: int, hidden: int, intermediate: int,

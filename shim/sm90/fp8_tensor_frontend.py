@@ -42,9 +42,7 @@ class Sm90Fp8TensorFrontend(Sm90Fp8Frontend):
         """No per-call quantization kernel to check: the static quantizer is one torch expression."""
 
     def prepare_weights(self, weights):
-        return sm90_weights.prepare_weights(self.fmt, weights.w13, weights.w2, self.device,
-                                            expert_offset=weights.expert_offset, act_amax=weights.act_amax,
-                                            fc2_act_amax=weights.fc2_act_amax)
+        return sm90_weights.prepare(self.fmt, weights, self.device)
 
     def staged_activation(self, t: int) -> QuantizedActivation:
         return QuantizedActivation(self.fmt, self.act[:t].clone())

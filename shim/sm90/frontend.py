@@ -45,8 +45,7 @@ class Sm90Frontend(MegaMoEFrontend):
         )
 
     def prepare_weights(self, weights):
-        return sm90_weights.prepare_weights(self.fmt, weights.w13, weights.w2, self.device,
-                                            expert_offset=weights.expert_offset)
+        return sm90_weights.prepare(self.fmt, weights, self.device)
 
     def placeholder_weights(self):
         return sm90_weights.placeholder_weights(self.fmt, self.experts_per_rank, self.hidden_size,

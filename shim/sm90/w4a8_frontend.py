@@ -86,8 +86,7 @@ class Sm90W4A8Frontend(Sm90Frontend):
         return dict(super().activation_args(b, rows), activation_sf=b.tensor(self.act_sf[:rows]))
 
     def prepare_weights(self, weights):
-        return w4a8_weights.prepare_weights(weights.w13, weights.w2, self.device,
-                                            expert_offset=weights.expert_offset)
+        return w4a8_weights.prepare(weights, self.device)
 
     def placeholder_weights(self):
         return w4a8_weights.placeholder_weights(self.experts_per_rank, self.hidden_size, self.intermediate_size,

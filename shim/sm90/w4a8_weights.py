@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from moe_ep.core.errors import FormatError
+from moe_ep.core.weights import QuantizedExpertWeights
 from moe_ep.formats import QuantizedWeights, codecs, quantize_weights
 from shim.sm90 import fp4_layout
 
-__all__ = ["Sm90W4A8KernelWeights", "prepare_weights", "layout_quantized", "placeholder_weights"]
+__all__ = ["Sm90W4A8KernelWeights", "prepare", "prepare_weights", "layout_quantized", "placeholder_weights"]
 
 GATE_UP_INTERLEAVE = codecs.FP8_GATE_UP_INTERLEAVE
 
@@ -114,6 +115,17 @@ def prepare_weights(w13: torch.Tensor, w2: torch.Tensor, device: torch.device, *
             getattr(out, name)[sl].copy_(getattr(part, name))
         del part
     return out
+
+
+def prepare(weights, device) -> Sm90W4A8KernelWeights:
+    """The layer's weights (moe_ep.ExpertWeights: quantized here; a moe_ep.QuantizedExpertWeights in w4a8_mxfp4,
+    whose scales its pack check keeps inside the kernel's window: laid out as given) -> the kernel's."""
+    if isinstance(weights, QuantizedExpertWeights):
+        if weights.fmt != "w4a8_mxfp4":
+            raise FormatError("fmt", f"the weights are quantized as {weights.fmt!r}, the Hopper W4A8 kernel runs "
+                                     f"'w4a8_mxfp4'")
+        return layout_quantized(weights.qw, device)
+    return prepare_weights(weights.w13, weights.w2, device, expert_offset=weights.expert_offset)
 
 
 def placeholder_weights(experts: int, hidden: int, intermediate: int, device=None) -> Sm90W4A8KernelWeights:

@@ -1,9 +1,10 @@
-"""Canonical bf16 expert weights -> the Hopper kernels' weight layouts (FP8 blockwise and per-tensor, BF16), and
-back. (W4A8's packed 4-bit layout: shim/sm90/w4a8_weights.py.)
+"""Expert weights -> the Hopper kernels' weight layouts (FP8 blockwise and per-tensor, BF16), and back. (W4A8's
+packed 4-bit layout: shim/sm90/w4a8_weights.py.)
 
-The quantization is moe_ep's format quantizer (`moe_ep.formats.quantize_weights`), so the kernel computes
-with exactly the bytes the oracle checks against. This module only lays them out (facts from the drop's
-runners and kernels, 0.7.2.post1 and 0.7.4):
+Two ways in: canonical bf16 (`prepare_weights`: quantized by moe_ep's format quantizer,
+`moe_ep.formats.quantize_weights`, so the kernel computes with exactly the bytes the oracle checks against), or an
+already-quantized pack (`prepare_quantized`: a checkpoint's bytes, laid out as they are). Either way this module
+only lays them out (facts from the drop's runners and kernels, 0.7.2.post1 and 0.7.4):
   * FC1 rows gate/up interleaved in groups of `Fp8GateUpInterleave` (8; the BF16 kernel pairs them the same
     way): g0..g7, u0..u7, g8..g15, ...; passed as an (E, H, 2I) view whose H axis has stride 1 (K-major
     storage [E, 2I, H], permuted view);
@@ -27,9 +28,11 @@ from typing import Optional
 import torch
 
 from moe_ep.core.errors import FormatError
+from moe_ep.core.weights import QuantizedExpertWeights
 from moe_ep.formats import QuantizedWeights, codecs, quantize_weights
 
-__all__ = ["GATE_UP_INTERLEAVE", "Sm90KernelWeights", "prepare_weights", "placeholder_weights"]
+__all__ = ["GATE_UP_INTERLEAVE", "Sm90KernelWeights", "prepare", "prepare_weights", "prepare_quantized",
+           "placeholder_weights"]
 
 GATE_UP_INTERLEAVE = codecs.FP8_GATE_UP_INTERLEAVE  # checked against the drop's constant at kernel build
 
@@ -115,6 +118,46 @@ def _store(fmt: str, fc1: torch.Tensor, fc2: torch.Tensor, fc1_scale, fc2_scale,
     fc2[rows].copy_(qw.w2_q)
 
 
+_FORMATS = ("fp8_block", "fp8_tensor", "bf16")
+
+
+def _storage(fmt: str, e: int, h: int, i: int, device):
+    """The kernel's own tensors for e experts, empty: ((fc1 [E, 2I, H], fc2 [E, H, I], the two FP8 scale slots),
+    fp8_tensor's per-expert weight dequant scales [2, E] or None), as _store and _kernel_weights take them."""
+    q_dtype = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
+    fc1 = torch.empty((e, 2 * i, h), dtype=q_dtype, device=device)  # K-major storage, gate/up interleaved
+    fc2 = torch.empty((e, h, i), dtype=q_dtype, device=device)
+    if fmt == "fp8_block":
+        return (fc1, fc2, torch.empty((e, 2 * i // 128, h // 128), dtype=torch.float32, device=device),
+                torch.empty((e, h // 128, i // 128), dtype=torch.float32, device=device)), None
+    if fmt == "fp8_tensor":
+        return ((fc1, fc2, _e8m0_placeholder(e, 2 * i, h, device), _e8m0_placeholder(e, h, i, device)),
+                torch.empty((2, e), dtype=torch.float32, device=device))
+    return (fc1, fc2, None, None), None
+
+
+def _kernel_weights(fmt: str, expert_offset: int, fc1, fc2, fc1_scale, fc2_scale, w_dequant=None,
+                    act=(None, None)) -> Sm90KernelWeights:
+    """The filled storage as the kernel takes it; act: fp8_tensor's static (FC1-input, FC2-input) scales."""
+    fc1, fc2 = fc1.permute(0, 2, 1), fc2.permute(0, 2, 1)
+    if fmt == "bf16":
+        return Sm90KernelWeights("bf16", expert_offset, fc1, fc2)
+    if fmt == "fp8_tensor":
+        return Sm90KernelWeights("fp8_tensor", expert_offset, fc1, fc2, fc1_scale=fc1_scale, fc2_scale=fc2_scale,
+                                 fc1_act_dequant=act[0].reshape(1).contiguous(), fc1_w_dequant=w_dequant[0],
+                                 fc2_act_dequant=act[1].reshape(1).contiguous(), fc2_w_dequant=w_dequant[1])
+    e, dev = fc1.shape[0], fc1.device
+    ones = torch.ones(e, dtype=torch.float32, device=dev)
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    return Sm90KernelWeights("fp8_block", expert_offset, fc1, fc2, fc1_scale=fc1_scale, fc2_scale=fc2_scale,
+                             fc1_act_dequant=one, fc1_w_dequant=ones, fc2_act_dequant=one.clone(),
+                             fc2_w_dequant=ones.clone())
+
+
+def _step(n2: int, h: int, chunk_bytes: int) -> int:
+    return max(1, chunk_bytes // (n2 * h * 4))
+
+
 def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch.device, *,
                     expert_offset: int = 0, chunk_bytes: int = 1 << 30, act_amax: Optional[float] = None,
                     fc2_act_amax: Optional[float] = None) -> Sm90KernelWeights:
@@ -124,40 +167,47 @@ def prepare_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, device: torch
     whatever the layer's size, and the canonical quantized FC1 is never kept (only its interleaved copy, which
     the kernel reads)."""
     e, n2, h = w13.shape
-    i = w2.shape[2]
-    q_dtype = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
-    fc1 = torch.empty((e, n2, h), dtype=q_dtype, device=device)  # K-major storage, gate/up interleaved
-    fc2 = torch.empty((e, h, i), dtype=q_dtype, device=device)
-    fp8 = fmt != "bf16"
-    fc1_scale = fc2_scale = w_dequant = act = None
-    if fmt == "fp8_block":
-        fc1_scale = torch.empty((e, n2 // 128, h // 128), dtype=torch.float32, device=device)
-        fc2_scale = torch.empty((e, h // 128, i // 128), dtype=torch.float32, device=device)
-    elif fmt == "fp8_tensor":
-        fc1_scale, fc2_scale = _e8m0_placeholder(e, n2, h, device), _e8m0_placeholder(e, h, i, device)
-        w_dequant = torch.empty((2, e), dtype=torch.float32, device=device)
-    step = max(1, chunk_bytes // (n2 * h * 4))
+    storage, w_dequant = _storage(fmt, e, h, w2.shape[2], device)
+    step = _step(n2, h, chunk_bytes)
+    act = (None, None)
     for lo in range(0, e, step):
         sl = slice(lo, min(e, lo + step))
         qw = quantize_weights(fmt, w13[sl].to(device), w2[sl].to(device), act_amax=act_amax,
                               fc2_act_amax=fc2_act_amax)
-        _store(fmt, fc1, fc2, fc1_scale, fc2_scale, sl, qw, w_dequant)
+        _store(fmt, *storage, sl, qw, w_dequant)
         act = (qw.act_scale, qw.fc2_act_scale)
         del qw
-    if not fp8:
-        return Sm90KernelWeights("bf16", expert_offset, fc1.permute(0, 2, 1), fc2.permute(0, 2, 1))
-    if fmt == "fp8_tensor":
-        return Sm90KernelWeights(
-            "fp8_tensor", expert_offset, fc1.permute(0, 2, 1), fc2.permute(0, 2, 1), fc1_scale=fc1_scale,
-            fc2_scale=fc2_scale, fc1_act_dequant=act[0].reshape(1).contiguous(), fc1_w_dequant=w_dequant[0],
-            fc2_act_dequant=act[1].reshape(1).contiguous(), fc2_w_dequant=w_dequant[1])
-    ones = torch.ones(e, dtype=torch.float32, device=device)
-    one = torch.ones(1, dtype=torch.float32, device=device)
-    return Sm90KernelWeights(
-        "fp8_block", expert_offset, fc1.permute(0, 2, 1), fc2.permute(0, 2, 1), fc1_scale=fc1_scale,
-        fc2_scale=fc2_scale, fc1_act_dequant=one, fc1_w_dequant=ones, fc2_act_dequant=one.clone(),
-        fc2_w_dequant=ones.clone(),
-    )
+    return _kernel_weights(fmt, expert_offset, *storage, w_dequant, act)
+
+
+def prepare_quantized(qw: QuantizedWeights, device: torch.device, *,
+                      chunk_bytes: int = 1 << 30) -> Sm90KernelWeights:
+    """Lay out an already-quantized pack (fp8_block, fp8_tensor or bf16, canonical layout) for its kernel, bit for
+    bit: its e4m3 codes and fp32 scales (128x128 blocks, or one per expert and the static activation scales; or
+    bf16 values) are copied, gate/up interleaved, never requantized. The pack's fp8_block w13_scale grid is the
+    kernel's own (a block over 64 gate + 64 up rows), so it is copied as it is. A few experts at a time (moved to
+    `device` first when the pack lives elsewhere, e.g. host -> GPU)."""
+    if qw.fmt not in _FORMATS:
+        raise FormatError("weights.qw.fmt", f"the sm90 {list(_FORMATS)} weight layouts cannot take a {qw.fmt!r} "
+                                            f"pack")
+    e, n2, h = qw.w13_q.shape
+    storage, w_dequant = _storage(qw.fmt, e, h, qw.intermediate_size, device)
+    step = _step(n2, h, chunk_bytes)
+    for lo in range(0, e, step):
+        sl = slice(lo, min(e, lo + step))
+        _store(qw.fmt, *storage, sl, qw.experts(sl).to(device), w_dequant)
+    return _kernel_weights(qw.fmt, qw.expert_offset, *storage, w_dequant, (qw.act_scale, qw.fc2_act_scale))
+
+
+def prepare(fmt: str, weights, device: torch.device) -> Sm90KernelWeights:
+    """The layer's weights (moe_ep.ExpertWeights: quantized here, with its calibration; moe_ep.QuantizedExpertWeights:
+    laid out as given) -> the `fmt` kernel's."""
+    if isinstance(weights, QuantizedExpertWeights):
+        if weights.fmt != fmt:
+            raise FormatError("fmt", f"the weights are quantized as {weights.fmt!r}, the sm90 kernel runs {fmt!r}")
+        return prepare_quantized(weights.qw, device)
+    cal = dict(act_amax=weights.act_amax, fc2_act_amax=weights.fc2_act_amax) if fmt == "fp8_tensor" else {}
+    return prepare_weights(fmt, weights.w13, weights.w2, device, expert_offset=weights.expert_offset, **cal)
 
 
 def placeholder_weights(fmt: str, experts: int, hidden: int, intermediate: int, device=None) -> Sm90KernelWeights:
