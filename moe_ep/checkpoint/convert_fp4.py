@@ -44,21 +44,12 @@ def unpack_e2m1_pairs(packed: torch.Tensor) -> torch.Tensor:
 
 
 def reciprocal_scale(scale_2: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """fp32 g with 1 / g == scale_2 wherever such a g exists next to fl(1 / scale_2) (it does not always: the
-    reciprocal is not a bijection on fp32), else fl(1 / scale_2). Returns (g, how many round-trip exactly)."""
+    """g = fl(1 / scale_2) in fp32, and how many of them give scale_2 back exactly as fl(1 / g). Where one does
+    not, no fp32 g does (the neighbours of fl(1 / scale_2) were tried: fp32's reciprocal misses some values); the
+    quotient q * s / g is then one rounding away from the checkpoint's q * s * scale_2 either way."""
     s = scale_2.to(_F32)
     g = torch.reciprocal(s)
-    best = g
-    hit = torch.reciprocal(g) == s
-    for step in (1, -1, 2, -2):  # the neighbours of fl(1/s), a few ulps either way
-        cand = g
-        direction = torch.full_like(g, float("inf") if step > 0 else 0.0)
-        for _ in range(abs(step)):
-            cand = torch.nextafter(cand, direction)
-        ok = ~hit & (torch.reciprocal(cand) == s)
-        best = torch.where(ok, cand, best)
-        hit = hit | ok
-    return best, int(hit.sum())
+    return g, int((torch.reciprocal(g) == s).sum())
 
 
 def _unpack_into(dst: torch.Tensor, packed: torch.Tensor) -> None:

@@ -20,18 +20,16 @@ FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1
 
 
 def _e4m3_codes(g, shape):
-    """Random e4m3 values over the whole range, NaN (0x7f, 0xff) excluded."""
-    b = torch.randint(0, 254, shape, generator=g, dtype=torch.int32)
-    b = b + (b >= 0x7F).to(torch.int32)  # skip 0x7f; 0xff is never drawn (254 + 1 = 0xff excluded by range)
-    return b.to(torch.uint8).view(torch.float8_e4m3fn)
+    """e4m3 codes as a quantizer leaves them: Gaussian over the range (|q| <= 448), a few at the extremes."""
+    return (torch.randn(shape, generator=g) * 112).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
 def _positive_e4m3(g, shape):
-    """Random positive normal e4m3 scales (NVFP4 block scales): codes 0x08..0x7e."""
-    return torch.randint(0x08, 0x7F, shape, generator=g, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    """Positive e4m3 block scales around 1 (codes 0x30..0x47: 0.5 .. 3.75), as NVFP4 quantizers leave them."""
+    return torch.randint(0x30, 0x48, shape, generator=g, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
 
 
-def _scales(g, shape, lo=-12.0, hi=-6.0):
+def _scales(g, shape, lo=-12.0, hi=-9.0):
     return torch.exp2(torch.empty(shape).uniform_(lo, hi, generator=g)).to(torch.float32)
 
 
@@ -43,9 +41,10 @@ def _experts(stem, e, fn):
 
 
 def tensors(convention: str, *, layers: Sequence[int] = (1,), e: int = 4, h: int = 256, i: int = 128,
-            seed: int = 0, agree: bool = False) -> Dict[str, torch.Tensor]:
+            seed: int = 0, agree: bool = False, pow2: bool = False) -> Dict[str, torch.Tensor]:
     """Every tensor of a checkpoint with MoE `layers` (plus a dense layer 0 and non-expert tensors). agree: gate
-    and up share their scales (what moe_ep's one-scale-for-both formats can hold exactly)."""
+    and up share their scales (what moe_ep's one-scale-for-both formats can hold exactly). pow2: power-of-two
+    scales (DeepSeek's block scales, NVFP4's weight_scale_2)."""
     g = torch.Generator().manual_seed(seed)
     t: Dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(32, h, generator=g).bfloat16(),
                                   "model.layers.0.mlp.gate_proj.weight": torch.randn(i, h, generator=g).bfloat16()}
@@ -57,46 +56,50 @@ def tensors(convention: str, *, layers: Sequence[int] = (1,), e: int = 4, h: int
         if convention == "deepseek_fp8":
             t[f"model.layers.{layer}.mlp.shared_experts.gate_proj.weight"] = _e4m3_codes(g, (i, h))
 
+            def sc(shape):
+                s = _scales(g, shape)
+                return torch.exp2(torch.round(torch.log2(s))) if pow2 else s
+
             def fn(x):
-                gs = _scales(g, (math.ceil(i / 128), math.ceil(h / 128)))
-                us = gs.clone() if agree else _scales(g, gs.shape)
+                gs = sc((math.ceil(i / 128), math.ceil(h / 128)))
+                us = gs.clone() if agree else sc(gs.shape)
                 return {"gate_proj.weight": _e4m3_codes(g, (i, h)), "gate_proj.weight_scale_inv": gs,
                         "up_proj.weight": _e4m3_codes(g, (i, h)), "up_proj.weight_scale_inv": us,
                         "down_proj.weight": _e4m3_codes(g, (h, i)),
-                        "down_proj.weight_scale_inv": _scales(g, (math.ceil(h / 128), math.ceil(i / 128)))}
+                        "down_proj.weight_scale_inv": sc((math.ceil(h / 128), math.ceil(i / 128)))}
         elif convention == "modelopt_fp8":
             def fn(x):
                 gs = _scales(g, ())
                 return {"gate_proj.weight": _e4m3_codes(g, (i, h)), "gate_proj.weight_scale": gs,
-                        "gate_proj.input_scale": _scales(g, (), -3, -1),
+                        "gate_proj.input_scale": _scales(g, (), -6.5, -5.5),
                         "up_proj.weight": _e4m3_codes(g, (i, h)),
                         "up_proj.weight_scale": gs.clone() if agree else _scales(g, ()),
-                        "up_proj.input_scale": _scales(g, (), -3, -1),
+                        "up_proj.input_scale": _scales(g, (), -6.5, -5.5),
                         "down_proj.weight": _e4m3_codes(g, (h, i)), "down_proj.weight_scale": _scales(g, ()),
-                        "down_proj.input_scale": _scales(g, (), -4, -2)}
+                        "down_proj.input_scale": _scales(g, (), -4, -3)}
         elif convention == "modelopt_nvfp4":
             def fn(x):
-                s2 = _scales(g, (), -16, -8)
                 out = {}
                 for proj, n, k in (("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)):
                     out[f"{proj}.weight"] = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(
                         torch.uint8)
                     out[f"{proj}.weight_scale"] = _positive_e4m3(g, (n, k // 16))
-                    out[f"{proj}.weight_scale_2"] = s2.clone() if (agree and proj == "up_proj") else _scales(
-                        g, (), -16, -8)
-                    out[f"{proj}.input_scale"] = _scales(g, (), -10, -8)
+                    out[f"{proj}.weight_scale_2"] = (torch.exp2(torch.randint(-7, -4, (), generator=g).float()) if pow2
+                                                     else _scales(g, (), -7, -5))
+                    out[f"{proj}.input_scale"] = _scales(g, (), -9.5, -8.5) if proj != "down_proj" else _scales(
+                        g, (), -7, -6)
                 if agree:
-                    out["gate_proj.weight_scale_2"] = out["up_proj.weight_scale_2"].clone()
+                    out["up_proj.weight_scale_2"] = out["gate_proj.weight_scale_2"].clone()
                 return out
         elif convention == "gpt_oss_mxfp4":
             def rand_u8(shape, lo=0, hi=256):
                 return torch.randint(lo, hi, shape, generator=g, dtype=torch.int32).to(torch.uint8)
 
             t[f"{stem}.gate_up_proj_blocks"] = rand_u8((e, 2 * i, h // 32, 16))
-            t[f"{stem}.gate_up_proj_scales"] = rand_u8((e, 2 * i, h // 32), 118, 131)
+            t[f"{stem}.gate_up_proj_scales"] = rand_u8((e, 2 * i, h // 32), 120, 125)
             t[f"{stem}.gate_up_proj_bias"] = torch.randn(e, 2 * i, generator=g).bfloat16()
             t[f"{stem}.down_proj_blocks"] = rand_u8((e, h, i // 32, 16))
-            t[f"{stem}.down_proj_scales"] = rand_u8((e, h, i // 32), 118, 131)
+            t[f"{stem}.down_proj_scales"] = rand_u8((e, h, i // 32), 120, 125)
             t[f"{stem}.down_proj_bias"] = torch.randn(e, h, generator=g).bfloat16()
             t[f"model.layers.{layer}.mlp.router.weight"] = t.pop(f"model.layers.{layer}.mlp.gate.weight")
             continue
@@ -116,7 +119,7 @@ def tensors(convention: str, *, layers: Sequence[int] = (1,), e: int = 4, h: int
 
 
 def write(root, convention: str, *, shards: int = 3, layers: Sequence[int] = (1,), e: int = 4, h: int = 256,
-          i: int = 128, seed: int = 0, agree: bool = False, config: Optional[dict] = None,
+          i: int = 128, seed: int = 0, agree: bool = False, pow2: bool = False, config: Optional[dict] = None,
           drop: Sequence[str] = (), edit: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """Write a checkpoint into directory `root`: `shards` files + model.safetensors.index.json (shards=0: one
     model.safetensors, no index) + config.json. drop: names left out of their shard (still in the index);
@@ -125,7 +128,7 @@ def write(root, convention: str, *, shards: int = 3, layers: Sequence[int] = (1,
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    t = tensors(convention, layers=layers, e=e, h=h, i=i, seed=seed, agree=agree)
+    t = tensors(convention, layers=layers, e=e, h=h, i=i, seed=seed, agree=agree, pow2=pow2)
     names = list(t)
     t.update(edit or {})
     cfg = {"num_local_experts" if convention == "mixtral_bf16" else "num_experts": e, "hidden_size": h}
@@ -187,3 +190,20 @@ def dequantized(t: Dict[str, torch.Tensor], convention: str, layer: int = 1):
     w13 = torch.stack([torch.cat((one(x, projs[0]), one(x, projs[1]))) for x in ids])
     w2 = torch.stack([one(x, projs[2]) for x in ids])
     return w13, w2
+
+
+def plain_moe(hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+              w2: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
+    """fp32 MoE over dequantized experts, nothing quantized: sum_k w_k * (silu(x gate^T) * (x up^T)) down^T."""
+    x = hidden.float()
+    i = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1])
+    for t in range(x.shape[0]):
+        for k in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, k]) - expert_offset
+            if e < 0:
+                continue
+            fc1 = w13[e] @ x[t]
+            h = torch.nn.functional.silu(fc1[:i]) * fc1[i:]
+            out[t] += float(topk_weights[t, k]) * (w2[e] @ h)
+    return out
