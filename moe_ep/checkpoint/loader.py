@@ -27,6 +27,7 @@ from moe_ep.checkpoint.report import ExactnessReport
 from moe_ep.checkpoint.tensors import new_pack
 from moe_ep.core.errors import CheckpointError, FormatError, InexactCheckpointError, WorldSizeError
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
+from moe_ep.formats import format_violations
 
 __all__ = ["Checkpoint", "LayerPlan", "LoadedExperts"]
 
@@ -118,8 +119,9 @@ class Checkpoint:
         conv = self.forced or detect(rests)
         if conv is None:
             sample = sorted(rests)[:3]
-            raise CheckpointError(f"{stem}.{sample[0]}", f"the names of layer {layer}'s experts (e.g. {sample}) follow "
-                                                         f"no convention moe_ep reads", where)
+            name = f"{stem}.{sample[0]}"
+            raise CheckpointError(name, f"the names of layer {layer}'s experts (e.g. {sample}) follow no convention "
+                                        f"moe_ep reads", self.files.where(name))
         style = 0
         if conv.per_expert:
             style = 1 if any(re.match(r"^\d+\.w1\.", r) for r in rests) else 0
@@ -187,6 +189,9 @@ class Checkpoint:
         n = e // world_size
         mine = range(rank * n, (rank + 1) * n)
         self.check(plan, mine)
+        probe = plan.name(conv.roles[0], mine.start if conv.per_expert else None)
+        for _, msg in format_violations(target, plan.hidden_size, plan.intermediate_size):
+            raise CheckpointError(probe, f"{msg}: layer {layer} cannot be held in it", self.files.where(probe))
         device = torch.device("cpu") if device is None else torch.device(device)
         try:
             return self._load(plan, target, rank, world_size, mine, device, allow_inexact)
@@ -223,7 +228,10 @@ class Checkpoint:
             t = {k: (raw[v].unsqueeze(0) if conv.per_expert else raw[v]) for k, v in names.items()}
             t.update(wide)
             out = pack.experts(slice(x, x + 1)) if conv.quantized else (pack[0][x:x + 1], pack[1][x:x + 1])
-            _, rep, extra = conv.convert(fmt, t, out, expert)
+            try:
+                _, rep, extra = conv.convert(fmt, t, out, expert)
+            except CheckpointError as err:
+                raise self._qualified(err, plan, expert) from None
             del raw, t, out
             report.merge(rep)
             extras.append(extra)
@@ -239,6 +247,22 @@ class Checkpoint:
         else:
             weights = ExpertWeights(pack[0], pack[1], rank, world_size, plan.num_experts)
         return LoadedExperts(weights, report, merged, plan)
+
+
+    def _qualified(self, err: CheckpointError, plan: LayerPlan, expert: int) -> CheckpointError:
+        """A converter's error (it names a role, e.g. "up_proj.weight_scale_inv") with the tensor's full name in
+        the checkpoint and its file."""
+        name = err.tensor
+        if err.file is None and name:
+            for role in plan.convention.roles:
+                tail = f"{role.proj}_proj.{role.suffix}" if plan.convention.per_expert else role.suffix
+                if tail == name:
+                    name = plan.name(role, expert if plan.convention.per_expert else None)
+                    break
+        file = err.file or (self.files.where(name) if name in self.files.weight_map else self.path)
+        new = InexactCheckpointError(name, err.detail, file, err.report) if isinstance(
+            err, InexactCheckpointError) else CheckpointError(name, err.detail, file)
+        return new
 
 
 def _merge_extras(extras: List[Dict[str, Any]], config: dict) -> Dict[str, Any]:

@@ -36,3 +36,13 @@ def test_world_size_two(results, case):
             assert not w["equal"] and w["changed"] > 0, w
         assert r["nan"] == 0 and r["oracle_ok"], r["oracle"]
         assert r["plain_err"] <= r["plain_tol"], r
+
+
+def test_a_rank_that_cannot_read_its_experts_stops_every_rank(tmp_path):
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"  # rank 1's expert
+    synth.write(tmp_path, "hf_bf16", drop=[name])
+    per_rank = launch_function("tests.moe_ep.checkpoint.ranks:load_error", WORLD, {"path": str(tmp_path)},
+                               timeout_s=300)
+    assert per_rank[1]["type"] == "CheckpointError" and per_rank[1]["argument"] == name
+    assert per_rank[1]["file"].endswith(".safetensors")
+    assert per_rank[0]["type"] == "PeerValidationError" and per_rank[0]["ranks"] == [1]

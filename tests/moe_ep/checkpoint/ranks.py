@@ -90,3 +90,16 @@ def run(path: str, synth_convention: str, fmt=None, tokens: int = 24, top_k: int
 def run_all(cases):
     """Every case of `cases` (dicts of run()'s arguments) on this rank, in order."""
     return [run(**c) for c in cases]
+
+
+def load_error(path: str, layer: int = 1, e: int = 4, h: int = 256, i: int = 128):
+    """load_layer on every rank, expecting it to fail; what each rank raised (type, argument, file)."""
+    import moe_ep
+    from moe_ep import checkpoint
+
+    try:
+        checkpoint.load_layer(path, layer, moe_ep.MoESpec(h, i, e, 2, 8), "torch_reference")
+    except moe_ep.MoEError as err:
+        return dict(type=type(err).__name__, argument=err.argument, file=getattr(err, "file", None),
+                    ranks=list(getattr(err, "ranks", ())))
+    return dict(type=None)

@@ -1,0 +1,161 @@
+"""Bad checkpoints and bad requests: a typed error that names the tensor and its file, raised before anything is
+read where the headers tell, and nothing half-built left in memory when a load fails midway (the error may be
+kept: its traceback's frames are cleared)."""
+
+import gc
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_ep
+from moe_ep import checkpoint
+from moe_ep.core.errors import CheckpointError, FormatError, InexactCheckpointError, WorldSizeError
+from tests.moe_ep.checkpoint import synth
+from tests.support.dist import one_rank_gloo_group
+
+STEM = "model.layers.1.mlp.experts"
+
+
+def _spec(e=4, h=256, i=128):
+    return moe_ep.MoESpec(h, i, e, 2, 8)
+
+
+def test_a_shard_missing_an_expert_names_the_tensor_and_the_shard(tmp_path):
+    name = f"{STEM}.2.up_proj.weight"
+    synth.write(tmp_path, "deepseek_fp8", agree=True, drop=[name])
+    shard = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"][name]
+    ck = checkpoint.Checkpoint(tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        ck.load_experts(1)
+    assert e.value.argument == name and e.value.file == str(tmp_path / shard)
+    assert "missing from its shard" in str(e.value) and shard in str(e.value)
+    ck.load_experts(1, 0, 2)  # rank 0 of 2 owns experts 0-1: its load does not need the missing tensor
+
+
+def test_an_expert_missing_from_the_index_names_the_tensor_and_the_index(tmp_path):
+    synth.write(tmp_path, "modelopt_nvfp4", config={"num_experts": 5})  # the config promises a fifth expert
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.Checkpoint(tmp_path).load_experts(1)
+    assert e.value.argument == f"{STEM}.4.gate_proj.weight"
+    assert e.value.file == str(tmp_path / "model.safetensors.index.json") and "no such tensor" in str(e.value)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.ones(2, 3), "expected shape \\[1, 2\\]"),
+    (torch.ones(1, 2, dtype=torch.bfloat16), "expected dtype F32"),
+    (torch.ones(2, 4), "128x128 block"),  # a 64x64-block checkpoint: its grid is [I/64, H/64]
+])
+def test_a_scale_of_the_wrong_shape_dtype_or_block_size(tmp_path, bad, match):
+    name = f"{STEM}.1.gate_proj.weight_scale_inv"
+    synth.write(tmp_path, "deepseek_fp8", agree=True, shards=0, edit={name: bad})
+    with pytest.raises(CheckpointError, match=match) as e:
+        checkpoint.Checkpoint(tmp_path).load_experts(1)
+    assert e.value.argument == name and e.value.file == str(tmp_path / "model.safetensors")
+
+
+def test_a_size_the_format_cannot_block(tmp_path):
+    synth.write(tmp_path, "deepseek_fp8", i=96, shards=1)
+    with pytest.raises(CheckpointError, match="multiple of 128") as e:
+        checkpoint.Checkpoint(tmp_path).load_experts(1)
+    assert e.value.argument == f"{STEM}.0.gate_proj.weight" and e.value.file.endswith(".safetensors")
+
+
+def test_a_format_the_backend_does_not_serve(tmp_path):
+    synth.write(tmp_path, "deepseek_fp8", agree=True)
+    with one_rank_gloo_group():
+        with pytest.raises(FormatError) as e:
+            checkpoint.load_layer(tmp_path, 1, _spec(), "sm100_nvfp4_cutedsl")
+        assert "sm100_nvfp4_cutedsl" in str(e.value) and "fp8_block" in str(e.value)
+        assert f"{STEM}.0.gate_proj.weight" in str(e.value) and ".safetensors" in str(e.value)
+        with pytest.raises(FormatError, match="loads as \\['fp8_block', 'mxfp8'\\], not 'nvfp4'"):
+            checkpoint.load_layer(tmp_path, 1, _spec(), fmt="nvfp4")
+        # and a pre-quantized pack handed to the layer directly
+        w = checkpoint.Checkpoint(tmp_path).load_experts(1).weights
+        with pytest.raises(FormatError, match="sm100_mxfp8_cutedsl.*'fp8_block'"):
+            moe_ep.MoELayer(_spec(), w, "sm100_mxfp8_cutedsl")
+        with pytest.raises(FormatError, match="requantize"):
+            moe_ep.MoELayer(_spec(), w, fmt="mxfp8")
+
+
+def test_a_world_size_that_does_not_divide_the_experts(tmp_path):
+    synth.write(tmp_path, "gpt_oss_mxfp4")
+    with pytest.raises(WorldSizeError) as e:
+        checkpoint.Checkpoint(tmp_path).load_experts(1, 0, 3)
+    assert e.value.argument == "world_size" and f"{STEM}.gate_up_proj_blocks" in str(e.value)
+    assert "model-0000" in str(e.value) and "does not divide the 4 experts" in str(e.value)
+
+
+def test_inexact_is_refused_unless_allowed(tmp_path):
+    synth.write(tmp_path, "deepseek_fp8", agree=False)
+    ck = checkpoint.Checkpoint(tmp_path)
+    with pytest.raises(InexactCheckpointError) as e:
+        ck.load_experts(1)
+    assert e.value.argument == f"{STEM}.0.gate_proj.weight" and e.value.file.endswith(".safetensors")
+    assert e.value.report.changed > 0 and "allow_inexact=True" in str(e.value)
+    assert not ck.load_experts(1, allow_inexact=True).report.exact
+
+
+def test_gpt_oss_is_refused_by_load_layer_and_carries_its_extras(tmp_path):
+    synth.write(tmp_path, "gpt_oss_mxfp4")
+    with one_rank_gloo_group():
+        with pytest.raises(CheckpointError, match="biases and a clamped SwiGLU") as e:
+            checkpoint.load_layer(tmp_path, 1, _spec())
+    assert e.value.argument == f"{STEM}.gate_up_proj_blocks" and e.value.file.endswith(".safetensors")
+    loaded = checkpoint.Checkpoint(tmp_path).load_experts(1, 1, 2)
+    extras = loaded.extras["gpt_oss"]
+    assert extras.gate_up_bias.shape == (2, 256) and extras.down_bias.shape == (2, 256)
+
+
+def test_names_no_convention_reads(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({f"{STEM}.0.gate_proj.weight_packed": torch.zeros(4, 4, dtype=torch.uint8),
+               f"{STEM}.0.gate_proj.weight_global_scale": torch.ones(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="no convention moe_ep reads") as e:
+        checkpoint.Checkpoint(tmp_path).plan(1)
+    assert e.value.argument.startswith(STEM) and e.value.file == str(tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no routed experts in layer 7"):
+        checkpoint.Checkpoint(tmp_path).plan(7)
+
+
+def test_a_spec_that_is_not_the_checkpoints(tmp_path):
+    synth.write(tmp_path, "hf_bf16")
+    with one_rank_gloo_group():
+        with pytest.raises(CheckpointError, match="hidden 256, intermediate 128, 4 experts") as e:
+            checkpoint.load_layer(tmp_path, 1, _spec(h=512))
+    assert e.value.argument == f"{STEM}.0.gate_proj.weight"
+
+
+def _pack_tensors():
+    """Live tensors shaped like a loaded pack of this file's checkpoints ([4, 256, 256] w13 codes or values)."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on every live object touches deprecated module attributes
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (4, 256, 256)]
+
+
+@pytest.mark.parametrize("conv, drop", [("deepseek_fp8", f"{STEM}.3.down_proj.weight_scale_inv"),
+                                        ("hf_bf16", f"{STEM}.3.up_proj.weight")])
+def test_a_failed_load_leaves_nothing_behind(tmp_path, conv, drop):
+    synth.write(tmp_path, conv, shards=2, agree=True)
+    shard = Path(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"][drop])
+    before = len(_pack_tensors())
+    # Experts 0-2 convert into the pack before expert 3's tensor turns out unreadable (a truncated shard).
+    data = (tmp_path / shard).read_bytes()
+    (tmp_path / shard).write_bytes(data[: len(data) - 64])
+    kept = []
+    try:
+        checkpoint.Checkpoint(tmp_path).load_experts(1)
+    except CheckpointError as err:
+        kept.append(err)  # the caller keeps the error (and so its traceback)
+    assert kept and kept[0].file == str(tmp_path / shard)
+    assert len(_pack_tensors()) == before
+    with one_rank_gloo_group():
+        try:
+            checkpoint.load_layer(tmp_path, 1, _spec())
+        except CheckpointError as err:
+            kept.append(err)
+    assert len(kept) == 2 and len(_pack_tensors()) == before
