@@ -1,0 +1,92 @@
+"""QuantizedExpertWeights: a layer built from an already-quantized pack computes with that pack's bytes in every
+format (the reference backend's oracle weights ARE the pack, nothing requantized); a pack that does not fit its
+format, rank or layer is a typed error naming the field."""
+import pytest
+import torch
+
+import moe_ep
+from moe_ep.formats import FORMATS, quantize_weights
+from moe_ep.reference.oracle import check_multirank
+from tests.support.dist import one_rank_gloo_group
+
+E, H, I = 4, 256, 128
+CAL = dict(act_amax=4.0, fc2_act_amax=2.0)
+
+
+def _pack(fmt, e=E, offset=0):
+    g = torch.Generator().manual_seed(1)
+    w13 = (torch.randn(e, 2 * I, H, generator=g) / 16).bfloat16()
+    w2 = (torch.randn(e, H, I, generator=g) / 16).bfloat16()
+    return quantize_weights(fmt, w13, w2, expert_offset=offset, **CAL)
+
+
+def _bytes(t):
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_layer_computes_with_the_given_bytes(fmt):
+    qw = _pack(fmt)
+    spec = moe_ep.MoESpec(H, I, E, 2, 16)
+    with one_rank_gloo_group():
+        layer = moe_ep.MoELayer(spec, moe_ep.ExpertWeights.from_quantized(qw, 0, 1, E), "torch_reference")
+        assert layer.fmt == fmt  # the pack's format, not the backend's default
+        got = layer.oracle_weights()
+        for name in qw.tensor_fields():
+            assert torch.equal(_bytes(getattr(got, name)), _bytes(getattr(qw, name))), name
+        hidden = torch.randn(9, H).bfloat16()
+        idx = torch.randint(0, E, (9, 2))
+        w = torch.softmax(torch.randn(9, 2), -1)
+        out = torch.full((9, H), float("nan"), dtype=torch.bfloat16)
+        layer(hidden, idx, w, out=out)
+        assert check_multirank(layer, hidden, idx, w, out).ok
+        layer.close()
+
+
+def test_all_experts_in_take_this_ranks_block():
+    qw = _pack("fp8_block", e=8)
+    w = moe_ep.ExpertWeights.from_quantized(qw, rank=1, world_size=2, num_experts=8)
+    assert w.expert_offset == 4 and w.qw.expert_offset == 4 and w.qw.num_experts == 4
+    assert torch.equal(_bytes(w.qw.w13_q), _bytes(qw.w13_q[4:])) and torch.equal(w.qw.w13_scale, qw.w13_scale[4:])
+
+
+@pytest.mark.parametrize("field, value, error, match", [
+    ("w13_scale", lambda qw: qw.w13_scale.bfloat16(), moe_ep.DTypeError, "expected dtype torch.float32"),
+    ("w2_scale", lambda qw: qw.w2_scale[:, :1], moe_ep.ShapeError, "expected \\[4, 2, 1\\]"),
+    ("w13_scale", lambda qw: None, moe_ep.DTypeError, "needs w13_scale"),
+    ("act_scale", lambda qw: torch.ones(1), moe_ep.ShapeError, "carries no act_scale"),
+])
+def test_a_pack_that_does_not_fit_its_format(field, value, error, match):
+    from dataclasses import replace
+
+    qw = _pack("fp8_block")
+    bad = replace(qw, **{field: value(qw)})
+    with pytest.raises(error, match=match) as e:
+        moe_ep.ExpertWeights.from_quantized(bad, 0, 1, E)
+    assert e.value.argument == f"weights.qw.{field}"
+
+
+def test_nvfp4_codes_and_global_scales_are_checked():
+    from dataclasses import replace
+
+    qw = _pack("nvfp4")
+    codes = qw.w2_q.clone()
+    codes[2, 0, 0] = 16
+    with pytest.raises(moe_ep.ShapeError, match="expert 2 has a larger byte"):
+        moe_ep.ExpertWeights.from_quantized(replace(qw, w2_q=codes), 0, 1, E)
+    with pytest.raises(moe_ep.ShapeError, match="finite positive") as e:
+        moe_ep.ExpertWeights.from_quantized(replace(qw, fc2_act_scale=qw.fc2_act_scale * 0), 0, 1, E)
+    assert e.value.argument == "weights.qw.fc2_act_scale"
+
+
+def test_a_layer_refuses_another_format_or_a_foreign_pack():
+    w = moe_ep.ExpertWeights.from_quantized(_pack("mxfp8"), 0, 1, E)
+    with one_rank_gloo_group():
+        with pytest.raises(moe_ep.FormatError, match="would have to requantize"):
+            moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, 2, 16), w, "torch_reference", fmt="nvfp4")
+        with pytest.raises(moe_ep.FormatError, match="'sm90_fp8_cutedsl' serves \\['fp8_block'\\], not 'mxfp8'"):
+            moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, 2, 16), w, "sm90_fp8_cutedsl")
+        with pytest.raises(moe_ep.ShapeError, match="hidden 256, intermediate 128"):
+            moe_ep.MoELayer(moe_ep.MoESpec(H, 2 * I, E, 2, 16), w, "torch_reference")
+    with pytest.raises(moe_ep.WeightsRankError, match="pack starts at 3"):
+        moe_ep.QuantizedExpertWeights(_pack("bf16", e=2, offset=3), rank=1, world_size=2, num_experts=4)

@@ -1,0 +1,62 @@
+"""An already-quantized pack (a checkpoint's bytes, moe_ep.checkpoint's converters) laid out for the Hopper kernels:
+what the kernel is handed reads back (Sm90KernelWeights.canonical(), the oracle's view) as the pack byte for byte,
+gate/up interleaved by 8 in the kernel tensors, in one piece or a few experts at a time; nothing is requantized."""
+import pytest
+import torch
+
+import moe_ep
+from moe_ep.checkpoint import convert_bf16, convert_fp8
+from moe_ep.core.errors import FormatError
+from shim.sm90 import weights
+from tests.moe_ep.checkpoint import synth
+
+STEM = "model.layers.1.mlp.experts"
+
+
+def _stack(t, proj, suffix, e=4):
+    return torch.stack([t[f"{STEM}.{x}.{proj}.{suffix}"] for x in range(e)])
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _packs():
+    t = synth.tensors("deepseek_fp8", e=4, h=256, i=256, agree=True, seed=7)
+    fp8, report = convert_fp8.deepseek_fp8_block(*(_stack(t, p, s) for p in ("gate_proj", "up_proj", "down_proj")
+                                                   for s in ("weight", "weight_scale_inv")), expert_offset=8)
+    assert report.exact
+    t = synth.tensors("hf_bf16", e=4, h=256, i=256, seed=8)
+    w13, w2 = convert_bf16.per_expert_bf16(_stack(t, "gate_proj", "weight"), _stack(t, "up_proj", "weight"),
+                                           _stack(t, "down_proj", "weight"))
+    return {"fp8_block": fp8, "bf16": moe_ep.QuantizedWeights("bf16", w13, w2, expert_offset=8)}
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "bf16"])
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 2 * 512 * 256 * 4])  # all experts at once / two at a time
+def test_a_checkpoint_pack_reads_back_byte_for_byte(fmt, chunk_bytes):
+    qw = _packs()[fmt]
+    kw = weights.prepare_quantized(qw, torch.device("cpu"), chunk_bytes=chunk_bytes)
+    got = kw.canonical()
+    assert got.fmt == fmt and got.expert_offset == 8
+    assert sorted(got.tensor_fields()) == sorted(qw.tensor_fields())
+    for name in qw.tensor_fields():
+        assert _same(getattr(got, name), getattr(qw, name)), (fmt, name)
+    storage = kw.fc1.transpose(1, 2)  # [E, 2I, H] K-major, gate/up interleaved by 8
+    g = weights.GATE_UP_INTERLEAVE
+    assert _same(storage[:, g:2 * g], qw.w13_q[:, 256:256 + g]) and kw.fc1.stride(1) == 1
+    assert storage.data_ptr() != qw.w13_q.data_ptr()  # the kernel's own tensors: the pack may be dropped
+
+
+def test_the_frontend_entry_takes_either_kind_of_weights():
+    qw = _packs()["fp8_block"]
+    w = moe_ep.ExpertWeights.from_quantized(qw, rank=2, world_size=3, num_experts=12)
+    kw = weights.prepare("fp8_block", w, torch.device("cpu"))
+    assert _same(kw.canonical().w13_scale, qw.w13_scale) and kw.expert_offset == 8
+    with pytest.raises(FormatError, match="quantized as 'fp8_block'"):
+        weights.prepare("bf16", w, torch.device("cpu"))
+    bf = torch.randn(4, 512, 256).bfloat16(), torch.randn(4, 256, 256).bfloat16()
+    kw = weights.prepare("fp8_block", moe_ep.ExpertWeights(*bf, rank=0, world_size=1, num_experts=4),
+                         torch.device("cpu"))
+    assert _same(kw.canonical().w13_q, moe_ep.formats.quantize_weights("fp8_block", *bf).w13_q)
