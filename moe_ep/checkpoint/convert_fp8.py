@@ -36,16 +36,26 @@ def block_grid(n: int, k: int) -> Tuple[int, int]:
     return -(-n // BLOCK), -(-k // BLOCK)
 
 
+_ROWS = 32  # rows re-rounded at a time: the fp32 temporaries stay a few MiB at any hidden size
+
+
 def _rescale_rows(q: torch.Tensor, s_from: torch.Tensor, s_to: torch.Tensor, report: ExactnessReport) -> torch.Tensor:
-    """One 128-row block row: e4m3 codes q [R, K] under per-column-block scales s_from [K/128], re-expressed
-    under s_to (>= s_from, elementwise), rounded to nearest even. Returns the new codes; counts what moved."""
+    """e4m3 codes q [R, K] under per-column-block scales s_from [ceil(K/128)], re-expressed under s_to (>= s_from,
+    elementwise), rounded to nearest even. Returns the new codes; counts what moved."""
     k = q.shape[1]
-    before = q.to(_F32) * s_from.repeat_interleave(BLOCK)[:k]
+    frm = s_from.repeat_interleave(BLOCK)[:k]
     to = s_to.repeat_interleave(BLOCK)[:k]
     # A zero target scale means both scales are zero: every value is 0 either way, keep the codes.
-    q_new = torch.where(to > 0, to_e4m3(before / torch.where(to > 0, to, torch.ones_like(to))), q)
-    report.count_change(before, q_new.to(_F32) * to)
-    return q_new
+    live = to > 0
+    safe_to = torch.where(live, to, torch.ones_like(to))
+    out = torch.empty_like(q)
+    for r0 in range(0, q.shape[0], _ROWS):
+        rows = slice(r0, r0 + _ROWS)
+        before = q[rows].to(_F32) * frm
+        q_new = torch.where(live, to_e4m3(before / safe_to), q[rows])
+        out[rows] = q_new
+        report.count_change(before, q_new.to(_F32) * to)
+    return out
 
 
 def _check_sizes(gate: torch.Tensor, down: torch.Tensor) -> Tuple[int, int, int]:

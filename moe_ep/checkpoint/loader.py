@@ -225,8 +225,9 @@ class Checkpoint:
             names = {r.key: plan.name(r, expert if conv.per_expert else None) for r in roles}
             names = {k: v for k, v in names.items() if v in self.files.weight_map}  # optional roles may be absent
             raw = self.files.read(list(names.values()), rows=None if conv.per_expert else slice(expert, expert + 1))
-            t = {k: (raw[v].unsqueeze(0) if conv.per_expert else raw[v]) for k, v in names.items()}
-            t.update(wide)
+            # On the pack's device: a GPU pack is converted on the GPU, the host holds one expert's mapped pages.
+            t = {k: (raw[v].unsqueeze(0) if conv.per_expert else raw[v]).to(device) for k, v in names.items()}
+            t.update({k: v.to(device) for k, v in wide.items()})
             out = pack.experts(slice(x, x + 1)) if conv.quantized else (pack[0][x:x + 1], pack[1][x:x + 1])
             try:
                 _, rep, extra = conv.convert(fmt, t, out, expert)

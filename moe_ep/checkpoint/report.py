@@ -49,17 +49,16 @@ class ExactnessReport:
 
     def count_change(self, before: torch.Tensor, after: torch.Tensor) -> None:
         """Count the changes in one group of values that took another scale: `before` the checkpoint's dequantized
-        values, `after` the pack's (fp32, same shape). `values` is counted by the converter, for every value."""
-        diff = (after - before).abs()
-        moved = diff != 0
-        n = int(moved.sum())
+        values, `after` the pack's (fp32, same shape; `after` is consumed). `values` is counted by the converter,
+        for every value."""
+        diff = after.sub_(before).abs_()
+        n = int(torch.count_nonzero(diff))
         if not n:
             return
         self.changed += n
         self.max_abs_err = max(self.max_abs_err, float(diff.max()))
-        ref = before.abs()
-        rel = torch.where(moved & (ref > 0), diff / ref.clamp(min=torch.finfo(torch.float32).tiny),
-                          torch.zeros_like(diff))
+        # A zero stays zero under any scale, so |before| > 0 wherever diff is: the floor only avoids 0 / 0.
+        rel = diff.div_(before.abs().clamp_(min=torch.finfo(torch.float32).tiny))
         self.max_rel_err = max(self.max_rel_err, float(rel.max()))
 
     def merge(self, other: "ExactnessReport") -> "ExactnessReport":
