@@ -90,3 +90,7 @@ def test_a_layer_refuses_another_format_or_a_foreign_pack():
             moe_ep.MoELayer(moe_ep.MoESpec(H, 2 * I, E, 2, 16), w, "torch_reference")
     with pytest.raises(moe_ep.WeightsRankError, match="pack starts at 3"):
         moe_ep.QuantizedExpertWeights(_pack("bf16", e=2, offset=3), rank=1, world_size=2, num_experts=4)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

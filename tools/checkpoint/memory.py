@@ -34,11 +34,15 @@ def _status(key: str) -> int:
 
 
 def measure(path: str, layer: int, rank: int = 0, world_size: int = 1, fmt: Optional[str] = None,
-            pack_device: str = "cpu") -> Dict:
-    """In THIS process (meant to be a fresh one): peak RSS growth while loading one layer's experts."""
+            pack_device: str = "cpu", threads: Optional[int] = None) -> Dict:
+    """In THIS process (meant to be a fresh one): peak RSS growth while loading one layer's experts. threads: torch's
+    intra-op threads (None: its default)."""
     import gc
 
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     from moe_ep import checkpoint
 

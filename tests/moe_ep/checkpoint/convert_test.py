@@ -200,3 +200,7 @@ def test_reciprocal_scale_counts_the_round_trips():
     assert hits == int((torch.reciprocal(g) == s).sum()) and 0.5 * s.numel() < hits < s.numel()
     g, hits = convert_fp4.reciprocal_scale(torch.exp2(torch.arange(-20.0, 5.0)))
     assert hits == 25
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -46,3 +46,7 @@ def test_a_rank_that_cannot_read_its_experts_stops_every_rank(tmp_path):
     assert per_rank[1]["type"] == "CheckpointError" and per_rank[1]["argument"] == name
     assert per_rank[1]["file"].endswith(".safetensors")
     assert per_rank[0]["type"] == "PeerValidationError" and per_rank[0]["ranks"] == [1]
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -62,3 +62,7 @@ def test_the_frontend_entry_refuses_another_format():
     assert weights.prepare("mxfp8", w, torch.device("cpu")).expert_offset == 4
     with pytest.raises(FormatError, match="quantized as 'mxfp8'"):
         weights.prepare("nvfp4", w, torch.device("cpu"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))

@@ -60,3 +60,7 @@ def test_the_frontend_entry_takes_either_kind_of_weights():
     kw = weights.prepare("fp8_block", moe_ep.ExpertWeights(*bf, rank=0, world_size=1, num_experts=4),
                          torch.device("cpu"))
     assert _same(kw.canonical().w13_q, moe_ep.formats.quantize_weights("fp8_block", *bf).w13_q)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
