@@ -43,7 +43,8 @@ class Backend:
         return format_violations(fmt, spec.hidden_size, spec.intermediate_size)
 
     def prepare_weights(self, weights: ExpertWeights) -> None:
-        """Once, at load: canonical bf16 -> the kernel-ready layout."""
+        """Once, at load: the layer's weights -> the kernel-ready layout. An ExpertWeights (canonical bf16) is
+        quantized into self.fmt; a QuantizedExpertWeights (already in self.fmt) is laid out as it is."""
         raise NotImplementedError
 
     def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
