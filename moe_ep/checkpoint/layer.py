@@ -38,7 +38,7 @@ def choose_format(conv: Convention, backend: Optional[str], fmt: Optional[str], 
         raise FormatError("fmt", f"a {conv.name} checkpoint ({conv.title}) loads as {list(conv.formats)}, not "
                                  f"{fmt!r}{where}")
     if backend is None or backend == "auto":
-        kernels = [info for info in registry.list_backends().values() if info.arch == arch]
+        kernels = [info for info in registry.list_backends().values() if info.arch == arch and info.available]
         for f in candidates:
             if any(f in info.formats for info in kernels):
                 return f
