@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from moe_ep.core.dist import RankContext, all_gather_tensor
 from moe_ep.core.errors import OracleMismatchError
-from moe_ep.core.weights import ExpertWeights
+from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.formats import QuantizedActivation, QuantizedWeights, packs
 from moe_ep.reference import ffn
 
@@ -185,7 +185,8 @@ def check_multirank(layer, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_we
                     raise_on_failure: bool = True) -> OracleReport:
     """Collective. Check this rank's `out` (from layer(hidden, topk_idx, topk_weights)) against the
     single-process oracle over every rank's reported quantized weights. weights: the canonical pack the
-    layer was built from; when given, the reported weights are checked against it too.
+    layer was built from; when given, the reported weights are checked against it too (within the format's
+    quantization error for ExpertWeights, byte for byte for a QuantizedExpertWeights).
 
     A layer with an expert map (moe_ep.eplb) is checked against its logical model: the oracle routes topk_idx
     (logical ids, or slot ids turned back into the logical ids they hold) over one copy of each logical expert,
@@ -205,7 +206,14 @@ def check_multirank(layer, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_we
                         f"rank {ctx.rank} owns [{ctx.rank * e_local}, {(ctx.rank + 1) * e_local})")
 
     weight_err = 0.0
-    if weights is not None and not problems:
+    if isinstance(weights, QuantizedExpertWeights) and not problems:
+        # Handed an already-quantized pack: the backend must compute with exactly those bytes.
+        for name in weights.qw.tensor_fields():
+            mine, given = getattr(qw, name, None), getattr(weights.qw, name)
+            if mine is None or not torch.equal(mine.contiguous().view(torch.uint8).cpu(),
+                                               given.contiguous().view(torch.uint8).cpu()):
+                problems.append(f"reported {name} is not the given pack's, byte for byte")
+    elif weights is not None and not problems:
         w13, w2 = qw.dequantize()
         for name, got, want in (("w13", w13, weights.w13), ("w2", w2, weights.w2)):
             want = want.to(device=got.device, dtype=torch.float32)

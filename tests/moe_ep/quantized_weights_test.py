@@ -20,6 +20,13 @@ def _pack(fmt, e=E, offset=0):
     return quantize_weights(fmt, w13, w2, expert_offset=offset, **CAL)
 
 
+def _other(fmt):
+    """A pack of the same format and shapes with other bytes."""
+    g = torch.Generator().manual_seed(2)
+    return quantize_weights(fmt, torch.randn(E, 2 * I, H, generator=g).bfloat16(),
+                            torch.randn(E, H, I, generator=g).bfloat16(), **CAL)
+
+
 def _bytes(t):
     return t.contiguous().view(torch.uint8)
 
@@ -28,8 +35,9 @@ def _bytes(t):
 def test_the_layer_computes_with_the_given_bytes(fmt):
     qw = _pack(fmt)
     spec = moe_ep.MoESpec(H, I, E, 2, 16)
+    given = moe_ep.ExpertWeights.from_quantized(qw, 0, 1, E)
     with one_rank_gloo_group():
-        layer = moe_ep.MoELayer(spec, moe_ep.ExpertWeights.from_quantized(qw, 0, 1, E), "torch_reference")
+        layer = moe_ep.MoELayer(spec, given, "torch_reference")
         assert layer.fmt == fmt  # the pack's format, not the backend's default
         got = layer.oracle_weights()
         for name in qw.tensor_fields():
@@ -39,7 +47,10 @@ def test_the_layer_computes_with_the_given_bytes(fmt):
         w = torch.softmax(torch.randn(9, 2), -1)
         out = torch.full((9, H), float("nan"), dtype=torch.bfloat16)
         layer(hidden, idx, w, out=out)
-        assert check_multirank(layer, hidden, idx, w, out).ok
+        assert check_multirank(layer, hidden, idx, w, out, weights=given).ok
+        other = moe_ep.ExpertWeights.from_quantized(_other(fmt), 0, 1, E)
+        report = check_multirank(layer, hidden, idx, w, out, weights=other, raise_on_failure=False)
+        assert not report.ok and "not the given pack's, byte for byte" in report.summary()
         layer.close()
 
 
