@@ -132,7 +132,7 @@ def deepseek_fp8_mxfp8(gate: torch.Tensor, gate_scale_inv: torch.Tensor, up: tor
                        out: Optional[QuantizedWeights] = None,
                        expert_offset: int = 0) -> Tuple[QuantizedWeights, ExactnessReport]:
     """DeepSeek-convention experts -> mxfp8 (the Blackwell MXFP8 kernel's format), exactly, when every
-    weight_scale_inv is a power of two (checkpoints with UE8M0 scales, e.g. DeepSeek-V3.1): the e4m3 codes are
+    weight_scale_inv is a power of two (checkpoints with UE8M0 scales): the e4m3 codes are
     kept and each 128x128 block scale becomes the e8m0 scale of its 128 rows x 4 groups of 32. Any other scale
     raises InexactCheckpointError (before anything is written)."""
     e, h, i = _check_sizes(gate, down)
