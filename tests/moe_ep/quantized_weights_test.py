@@ -95,8 +95,13 @@ def test_a_layer_refuses_another_format_or_a_foreign_pack():
     with one_rank_gloo_group():
         with pytest.raises(moe_ep.FormatError, match="would have to requantize"):
             moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, 2, 16), w, "torch_reference", fmt="nvfp4")
-        with pytest.raises(moe_ep.FormatError, match="'sm90_fp8_cutedsl' serves \\['fp8_block'\\], not 'mxfp8'"):
-            moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, 2, 16), w, "sm90_fp8_cutedsl")
+        moe_ep.register_backend("fp8_block_only", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
+                                formats=("fp8_block",))
+        try:
+            with pytest.raises(moe_ep.FormatError, match="'fp8_block_only' serves \\['fp8_block'\\], not 'mxfp8'"):
+                moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, 2, 16), w, "fp8_block_only")
+        finally:
+            moe_ep.unregister_backend("fp8_block_only")
         with pytest.raises(moe_ep.ShapeError, match="hidden 256, intermediate 128"):
             moe_ep.MoELayer(moe_ep.MoESpec(H, 2 * I, E, 2, 16), w, "torch_reference")
     with pytest.raises(moe_ep.WeightsRankError, match="pack starts at 3"):

@@ -72,10 +72,18 @@ def test_a_format_the_backend_does_not_serve(tmp_path):
         assert f"{STEM}.0.gate_proj.weight" in str(e.value) and ".safetensors" in str(e.value)
         with pytest.raises(FormatError, match="loads as \\['fp8_block', 'mxfp8'\\], not 'nvfp4'"):
             checkpoint.load_layer(tmp_path, 1, _spec(), fmt="nvfp4")
-        # and a pre-quantized pack handed to the layer directly
+        # and a pre-quantized pack handed to the layer directly (a CPU backend that serves bf16 only: a kernel
+        # backend named on a CPU host is refused for its device first)
         w = checkpoint.Checkpoint(tmp_path).load_experts(1).weights
-        with pytest.raises(FormatError, match="sm100_mxfp8_cutedsl.*'fp8_block'"):
-            moe_ep.MoELayer(_spec(), w, "sm100_mxfp8_cutedsl")
+        moe_ep.register_backend("bf16_only", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
+                                formats=("bf16",))
+        try:
+            with pytest.raises(FormatError, match="'bf16_only' serves \\['bf16'\\], not 'fp8_block'"):
+                moe_ep.MoELayer(_spec(), w, "bf16_only")
+            with pytest.raises(FormatError, match="'bf16_only' serves \\['bf16'\\]; a deepseek_fp8 checkpoint"):
+                checkpoint.load_layer(tmp_path, 1, _spec(), "bf16_only")
+        finally:
+            moe_ep.unregister_backend("bf16_only")
         with pytest.raises(FormatError, match="requantize"):
             moe_ep.MoELayer(_spec(), w, fmt="mxfp8")
 
