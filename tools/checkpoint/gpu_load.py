@@ -5,8 +5,9 @@ EP=1; ~1.4 GB, written synthetically into --root) through moe_ep.checkpoint into
 
 Two checkpoints: `real` (gate and up quantized on their own 128x128 scales, as DeepSeek's are: the kernel's
 fp8_block shares one scale per 64 gate + 64 up rows, so the smaller half of each block is re-rounded, counted)
-and `agree` (gate and up written on shared scales: held bit for bit). For each, and for the pack assembled on the
-host or on the GPU, a fresh process (nothing earlier counts) records:
+and `agree` (gate and up written on shared scales: held bit for bit). Each case (--cases, default real:cpu
+agree:cpu real:cuda: checkpoint, and where the pack is assembled) runs in a fresh process (nothing earlier
+counts), which records:
   * load: seconds and host peak (VmHWM growth after a one-expert warm-up) of Checkpoint.load_experts, against the
     loader's bound (this rank's pack on the host + one expert in bf16);
   * layer: seconds and host peak of MoELayer(...) on the pack (layout, workspace, kernel compile);
@@ -224,16 +225,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 512])
-    ap.add_argument("--variants", nargs="+", default=["real", "agree"], choices=["real", "agree"])
-    ap.add_argument("--pack-devices", nargs="+", default=["cpu", "cuda"])
+    ap.add_argument("--cases", nargs="+", default=["real:cpu", "agree:cpu", "real:cuda"],
+                    help="checkpoint:pack-device pairs; checkpoint real | agree, pack device cpu | cuda")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="the same steps through the torch reference backend on a CPU host (use a small geometry)")
     a = ap.parse_args(argv)
     import torch
 
     run_on = dict(backend="torch_reference", device="cpu") if a.cpu_dry_run else {}
+    cases = [tuple(c.split(":")) for c in a.cases]
+    if any(len(c) != 2 or c[0] not in ("real", "agree") or c[1] not in ("cpu", "cuda") for c in cases):
+        ap.error(f"--cases takes real|agree:cpu|cuda pairs, got {a.cases}")
     if a.cpu_dry_run:
-        a.pack_devices = ["cpu"]
+        cases = [(v, "cpu") for v in dict.fromkeys(v for v, _ in cases)]
     elif not torch.cuda.is_available():
         print("tools.checkpoint.gpu_load needs a CUDA GPU (an H200)", flush=True)
         return 2
@@ -242,7 +246,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, writes = [], {}
-    for variant in a.variants:
+    for variant, pack_device in cases:
         root = f"{a.root}_{variant}"
         geom = dict(experts=a.experts, hidden=a.hidden, intermediate=a.intermediate, agree=variant == "agree")
         if not existing(root, **geom):
@@ -253,15 +257,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"wrote {root}: {desc['bytes'] / 1e9:.2f} GB in {writes[variant]['seconds']:.0f} s", flush=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        for pack_device in a.pack_devices:
-            print(f"-- {variant}, pack on {pack_device}", flush=True)
-            r = _run_child(path=root, layer_idx=3, pack_device=pack_device, tokens=a.tokens,
-                           capacity=max(a.tokens), **run_on)
-            r["variant"] = variant
-            rows.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k not in ("forward", "stdout", "stderr")}), flush=True)
-            if "error" in r:
-                print(r.get("stderr", ""), flush=True)
+        print(f"-- {variant}, pack on {pack_device}", flush=True)
+        t0 = time.perf_counter()
+        r = _run_child(path=root, layer_idx=3, pack_device=pack_device, tokens=a.tokens, capacity=max(a.tokens),
+                       **run_on)
+        r.update(variant=variant, child_s=time.perf_counter() - t0)
+        rows.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("forward", "stdout", "stderr")}), flush=True)
+        if "error" in r:
+            print(r.get("stderr", ""), flush=True)
     text = table(rows)
     print(text, flush=True)
     (out / "gpu_load.json").write_text(json.dumps(dict(rows=rows, writes=writes, argv=sys.argv[1:]), indent=1))
