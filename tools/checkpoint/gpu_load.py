@@ -188,9 +188,10 @@ def _run_child(**kw) -> Dict:
     code = ("import json, sys; from tools.checkpoint.gpu_load import child; "
             "print('RESULT ' + json.dumps(child(**json.loads(sys.argv[1]))), flush=True)")
     env = {k: v for k, v in os.environ.items() if k not in _GROUP_ENV}  # a group of its own (world size 1)
-    env.update(MOE_EP_DEVICE=kw.get("device", "cuda"), PYTHONPATH=os.pathsep.join([_REPO] + [p for p in sys.path if p]))
+    # This interpreter's own path, forwarded as it is (it holds the repository root); run from the root as well.
+    env.update(MOE_EP_DEVICE=kw.get("device", "cuda"), PYTHONPATH=os.pathsep.join([p for p in sys.path if p]))
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
-                          timeout=3000)
+                          timeout=3000, cwd=_REPO)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

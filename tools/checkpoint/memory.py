@@ -80,9 +80,10 @@ def run_case(path: str, layer: int, **kw) -> Dict:
     """measure() in a fresh Python process (so nothing this process holds counts)."""
     code = ("import json, sys; from tools.checkpoint.memory import measure; "
             "print('RESULT ' + json.dumps(measure(**json.loads(sys.argv[1]))))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_REPO] + [p for p in sys.path if p]))
+    # This interpreter's own path, forwarded as it is (it holds the repository root); run from the root as well.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([p for p in sys.path if p]))
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(dict(path=path, layer=layer, **kw))],
-                          capture_output=True, text=True, env=env, timeout=1800)
+                          capture_output=True, text=True, env=env, timeout=1800, cwd=_REPO)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
