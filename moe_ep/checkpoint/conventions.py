@@ -119,7 +119,7 @@ def _convert_nvfp4(fmt, t, out, offset):
     pack, report = convert_fp4.modelopt_nvfp4(
         t["gate"], t["gate_weight_scale"], t["gate_weight_scale_2"].reshape(-1), t["up"], t["up_weight_scale"],
         t["up_weight_scale_2"].reshape(-1), t["down"], t["down_weight_scale"], t["down_weight_scale_2"].reshape(-1),
-        act, t["down_input_scale"].reshape(-1), out=out, expert_offset=offset)
+        act, t["down_input_scale"].reshape(-1), fmt=fmt, out=out, expert_offset=offset)
     return pack, report, {}
 
 
@@ -164,7 +164,7 @@ CONVENTIONS: Dict[str, Convention] = {c.name: c for c in (
                caveat="fp8_block shares one scale between 64 gate and 64 up rows: exact only where the checkpoint's "
                       "gate and up block scales agree; mxfp8 only with power-of-two scales"),
     Convention("modelopt_nvfp4", "NVIDIA ModelOpt NVFP4: packed e2m1 + e4m3 per 16 + fp32 weight_scale_2, input_scale",
-               ("nvfp4",), True, _nvfp4_roles(), _per_expert_marker("weight_scale_2"),
+               convert_fp4.NVFP4_FORMATS, True, _nvfp4_roles(), _per_expert_marker("weight_scale_2"),
                lambda s: (2 * s[1], s[0]), _convert_nvfp4,
                caveat="one FC1 global scale per expert: exact where gate and up weight_scale_2 agree"),
     Convention("modelopt_fp8", "ModelOpt / llm-compressor FP8 per tensor: e4m3 + fp32 weight_scale, input_scale",

@@ -28,11 +28,11 @@ import torch
 from moe_ep.checkpoint.report import ExactnessReport
 from moe_ep.checkpoint.tensors import expect, expect_scales, new_pack
 from moe_ep.core.errors import CheckpointError
-from moe_ep.formats import FORMATS, QuantizedWeights
+from moe_ep.formats import FORMATS, QuantizedWeights, codecs
 from moe_ep.formats.codecs import E2M1_VALUES, e2m1_decode, to_e4m3
 
 __all__ = ["unpack_e2m1_pairs", "modelopt_nvfp4", "gpt_oss_mxfp4", "GptOssExtras", "GPT_OSS_FORMATS",
-           "reciprocal_scale"]
+           "NVFP4_FORMATS", "reciprocal_scale"]
 
 _E4M3, _F32, _U8 = torch.float8_e4m3fn, torch.float32, torch.uint8
 NVFP4_BLOCK, MX_BLOCK = 16, 32
@@ -61,10 +61,12 @@ def _unpack_into(dst: torch.Tensor, packed: torch.Tensor) -> None:
 
 def modelopt_nvfp4(gate: torch.Tensor, gate_scale: torch.Tensor, gate_scale_2: torch.Tensor, up: torch.Tensor,
                    up_scale: torch.Tensor, up_scale_2: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor,
-                   down_scale_2: torch.Tensor, act_input_scale: torch.Tensor, down_input_scale: torch.Tensor, *,
+                   down_scale_2: torch.Tensor, act_input_scale: Optional[torch.Tensor],
+                   down_input_scale: Optional[torch.Tensor], *, fmt: str = "nvfp4",
                    out: Optional[QuantizedWeights] = None,
                    expert_offset: int = 0) -> Tuple[QuantizedWeights, ExactnessReport]:
-    """ModelOpt NVFP4 experts [E, ...] -> nvfp4 (the Blackwell NVFP4 kernel's format).
+    """ModelOpt NVFP4 experts [E, ...] -> nvfp4 (the Blackwell NVFP4 kernel's format) or w4a8_nvfp4 (the same
+    weights; its FP8 activations are scaled per token, so the checkpoint's input_scale values are not used).
 
     gate, up uint8 [E, I, H/2]; down uint8 [E, H, I/2]; *_scale e4m3 [E, N, K/16]; *_scale_2 fp32 [E];
     act_input_scale: the layer's FC1 input_scale (fp32, one element: the largest over ALL its experts' gate and up,
@@ -72,6 +74,10 @@ def modelopt_nvfp4(gate: torch.Tensor, gate_scale: torch.Tensor, gate_scale_2: t
     per expert). Codes and block scales are copied; nvfp4 has ONE FC1 global scale per expert: where gate's and
     up's weight_scale_2 differ, the larger is kept and the other half's e4m3 block scales are re-rounded onto it
     (counted in the report). Global scales are stored as reciprocals (see reciprocal_scale)."""
+    if fmt not in NVFP4_FORMATS:
+        raise CheckpointError("gate_proj.weight", f"ModelOpt NVFP4 converts exactly to {list(NVFP4_FORMATS)}, not "
+                                                  f"{fmt!r}")
+    static = fmt == "nvfp4"  # static activation scales: the checkpoint's input_scale
     if gate.dim() != 3:
         raise CheckpointError("gate_proj.weight", f"expected stacked uint8 [E, I, H/2], got {list(gate.shape)}")
     e, i, h2 = gate.shape
@@ -85,13 +91,15 @@ def modelopt_nvfp4(gate: torch.Tensor, gate_scale: torch.Tensor, gate_scale_2: t
                            (up_scale, "up_proj.weight_scale", (e, i, h // 16)),
                            (down_scale, "down_proj.weight_scale", (e, h, i // 16))):
         expect_scales(expect(t, name, _E4M3, shape), name)
-    for t, name in ((gate_scale_2, "gate_proj.weight_scale_2"), (up_scale_2, "up_proj.weight_scale_2"),
-                    (down_scale_2, "down_proj.weight_scale_2"), (down_input_scale, "down_proj.input_scale")):
+    scales_2 = [(gate_scale_2, "gate_proj.weight_scale_2"), (up_scale_2, "up_proj.weight_scale_2"),
+                (down_scale_2, "down_proj.weight_scale_2")]
+    for t, name in scales_2 + ([(down_input_scale, "down_proj.input_scale")] if static else []):
         expect_scales(expect(t, name, _F32, (e,)), name, positive=True)
-    expect_scales(expect(act_input_scale.reshape(-1), "input_scale", _F32, (1,)), "input_scale", positive=True)
+    if static:
+        expect_scales(expect(act_input_scale.reshape(-1), "input_scale", _F32, (1,)), "input_scale", positive=True)
 
-    pack = out if out is not None else new_pack("nvfp4", e, h, i, gate.device, expert_offset)
-    report = ExactnessReport("modelopt_nvfp4", "nvfp4")
+    pack = out if out is not None else new_pack(fmt, e, h, i, gate.device, expert_offset)
+    report = ExactnessReport("modelopt_nvfp4", fmt)
     shared = torch.maximum(gate_scale_2, up_scale_2)
     _unpack_into(pack.w2_q, down)
     pack.w2_scale.copy_(down_scale)
@@ -113,16 +121,20 @@ def modelopt_nvfp4(gate: torch.Tensor, gate_scale: torch.Tensor, gate_scale_2: t
             pack.w13_scale[x, rows].copy_(new_sf)
     g13, rt13 = reciprocal_scale(shared)
     g2, rt2 = reciprocal_scale(down_scale_2)
-    g_in, rt_in = reciprocal_scale(act_input_scale.reshape(1))
-    g_fc2, rt_fc2 = reciprocal_scale(down_input_scale)
     pack.w13_global_scale.copy_(g13)
     pack.w2_global_scale.copy_(g2)
-    pack.act_scale.copy_(g_in)
-    pack.fc2_act_scale.copy_(g_fc2)
+    report.reciprocal_scales, report.reciprocal_roundtrips = 2 * e, rt13 + rt2
+    if static:
+        g_in, rt_in = reciprocal_scale(act_input_scale.reshape(1))
+        g_fc2, rt_fc2 = reciprocal_scale(down_input_scale)
+        pack.act_scale.copy_(g_in)
+        pack.fc2_act_scale.copy_(g_fc2)
+        report.reciprocal_scales += e + 1
+        report.reciprocal_roundtrips += rt_in + rt_fc2
+    else:
+        report.note("input_scale not used: w4a8_nvfp4 scales its FP8 activations per token")
     report.values = 3 * e * i * h
     report.blocks = 3 * e * i * h // NVFP4_BLOCK
-    report.reciprocal_scales = 3 * e + 1
-    report.reciprocal_roundtrips = rt13 + rt2 + rt_in + rt_fc2
     return pack, report
 
 
@@ -141,8 +153,30 @@ class GptOssExtras:
 # What gpt-oss's MXFP4 converts to exactly: e2m1 x e8m0 is an e4m3 code under the same e8m0 scale (mxfp8), and a
 # bf16 value (bf16 has fp32's exponent range); the W4A8 MXFP4 format where moe_ep has it.
 GPT_OSS_FORMATS = tuple(f for f in ("w4a8_mxfp4", "mxfp8", "bf16") if f in FORMATS)
+# What ModelOpt's NVFP4 converts to exactly (the weights are the same: codes, e4m3 scales, fp32 global scale).
+NVFP4_FORMATS = tuple(f for f in ("nvfp4", "w4a8_nvfp4") if f in FORMATS)
 
 _E2M1_AS_E4M3 = to_e4m3(torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES])).view(_U8)
+
+
+def _mxfp4_window(codes: torch.Tensor, scales: torch.Tensor, report: ExactnessReport):
+    """An expert's MXFP4 tensor [E, N, K] (codes) / [E, N, K/32] (e8m0 codes, uint8) as w4a8_mxfp4 can carry it:
+    unchanged when its scales span at most MXFP4_MAX_SCALE_RANGE binades (per expert), else the blocks below the
+    floor take the floor's scale and their codes are rounded again (moe_ep.formats.codecs.mxfp4_limit_scale_range,
+    the kernel's own rule); every value that moves is counted."""
+    new_codes, new_scale = codecs.mxfp4_limit_scale_range(codes, scales.view(torch.float8_e8m0fnu))
+    new_scale = new_scale.view(_U8)
+    moved = new_scale != scales
+    if not bool(moved.any()):
+        return codes, scales
+    report.rescaled_blocks += int(moved.sum())
+    for x in range(codes.shape[0]):
+        before = codecs.mxfp4_dequantize(codes[x], scales[x].view(torch.float8_e8m0fnu))
+        after = codecs.mxfp4_dequantize(new_codes[x], new_scale[x].view(torch.float8_e8m0fnu))
+        report.count_change(before, after)
+    report.note(f"w4a8_mxfp4 carries {codecs.MXFP4_MAX_SCALE_RANGE} binades of scales per expert tensor: lower "
+                f"block scales were raised to that floor")
+    return new_codes, new_scale
 
 
 def _deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
@@ -196,11 +230,12 @@ def gpt_oss_mxfp4(gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, do
                 exact = e2m1_decode(codes[x]) * torch.exp2(sc[x].to(_F32) - 127).repeat_interleave(MX_BLOCK, -1)
                 dst[x].copy_(exact)
                 report.count_change(exact, dst[x].to(device=exact.device, dtype=_F32))
-    else:  # w4a8_mxfp4: e2m1 codes one a byte + e8m0 scales, as they are
-        pack.w13_q.copy_(c13)
-        pack.w2_q.copy_(c2)
-        pack.w13_scale.view(_U8).copy_(s13)
-        pack.w2_scale.view(_U8).copy_(down_scales)
+    else:  # w4a8_mxfp4: e2m1 codes one a byte + e8m0 scales, brought into the kernel's window where they exceed it
+        for dst_q, dst_s, codes, sc in ((pack.w13_q, pack.w13_scale, c13, s13),
+                                        (pack.w2_q, pack.w2_scale, c2, down_scales)):
+            codes, sc = _mxfp4_window(codes, sc, report)
+            dst_q.copy_(codes)
+            dst_s.view(_U8).copy_(sc)
     if report.changed:
         report.note("bf16 cannot hold some of these values (an e8m0 exponent beyond bf16's range)")
     extras = GptOssExtras(None if gate_up_bias is None else _deinterleave_rows(gate_up_bias.to(_F32)),

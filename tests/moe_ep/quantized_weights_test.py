@@ -90,6 +90,17 @@ def test_nvfp4_codes_and_global_scales_are_checked():
     assert e.value.argument == "weights.qw.fc2_act_scale"
 
 
+def test_w4a8_mxfp4_scales_must_fit_the_kernels_window():
+    from dataclasses import replace
+
+    qw = _pack("w4a8_mxfp4")
+    scales = qw.w2_scale.view(torch.uint8).clone()
+    scales[3, 0, 0] = int(scales[3].max()) - 12  # 12 binades below the expert's largest: the kernel carries 11
+    with pytest.raises(moe_ep.ShapeError, match="expert 3's e8m0 scales span 1[2-9] binades") as e:
+        moe_ep.ExpertWeights.from_quantized(replace(qw, w2_scale=scales.view(torch.float8_e8m0fnu)), 0, 1, E)
+    assert e.value.argument == "weights.qw.w2_scale"
+
+
 def test_a_layer_refuses_another_format_or_a_foreign_pack():
     w = moe_ep.ExpertWeights.from_quantized(_pack("mxfp8"), 0, 1, E)
     with one_rank_gloo_group():

@@ -181,6 +181,38 @@ def test_gpt_oss_deinterleaves_gate_up_and_keeps_the_values(fmt):
     assert (extras.alpha, extras.limit) == (1.702, 7.0)
 
 
+def test_nvfp4_as_w4a8_nvfp4_keeps_the_same_weights():
+    t = synth.tensors("modelopt_nvfp4", agree=True, seed=6)
+    ref, _ = _nvfp4(t)
+    a = []
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        a += [_stack(t, p, "weight"), _stack(t, p, "weight_scale"), _stack(t, p, "weight_scale_2")]
+    pack, report = convert_fp4.modelopt_nvfp4(*a, None, None, fmt="w4a8_nvfp4")
+    assert pack.fmt == "w4a8_nvfp4" and report.exact and pack.act_scale is None and pack.fc2_act_scale is None
+    for name in ("w13_q", "w2_q", "w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale"):
+        assert torch.equal(_bytes(getattr(pack, name)), _bytes(getattr(ref, name))), name
+    assert any("per token" in n for n in report.notes)
+
+
+def test_gpt_oss_into_w4a8_mxfp4_counts_what_the_scale_window_moves():
+    t = synth.tensors("gpt_oss_mxfp4", seed=12)
+    scales = t[f"{STEM}.gate_up_proj_scales"].clone()
+    scales[1, 5, 2] = 100  # expert 1: one block 20 binades below the rest (120..124): outside the kernel's 11
+    args = (t[f"{STEM}.gate_up_proj_blocks"], scales, t[f"{STEM}.down_proj_blocks"], t[f"{STEM}.down_proj_scales"])
+    assert convert_fp4.gpt_oss_mxfp4(*args, fmt="mxfp8")[1].exact  # mxfp8 has no window: held as it is
+    pack, report, _ = convert_fp4.gpt_oss_mxfp4(*args, fmt="w4a8_mxfp4")
+    t[f"{STEM}.gate_up_proj_scales"] = scales
+    ref13, ref2, _, _ = synth.dequantized(t, "gpt_oss_mxfp4")
+    w13, w2 = dequantize_weights(pack)
+    assert torch.equal(w2, ref2) and not report.exact and report.rescaled_blocks == 1
+    diff = w13 != ref13
+    assert report.changed == int(diff.sum()) > 0
+    # only the raised block's 32 values can move: expert 1, interleaved row 5 = up row 2 (canonical 128 + 2)
+    assert not diff[0].any() and not diff[2:].any() and diff[1].nonzero()[:, 0].unique().tolist() == [130]
+    assert set(diff[1, 130].nonzero()[:, 0].tolist()) <= set(range(64, 96))
+    assert int(pack.w13_scale[1].view(torch.uint8).min()) >= 124 - 11
+
+
 def test_bf16_per_expert_and_fused_are_copies():
     t = synth.tensors("mixtral_bf16")
     stem = "model.layers.1.block_sparse_moe.experts"

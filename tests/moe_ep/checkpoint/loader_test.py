@@ -16,6 +16,8 @@ CASES = [
     ("modelopt_fp8", dict(agree=True), "fp8_tensor", False, True),
     ("modelopt_nvfp4", dict(agree=True, pow2=True), "nvfp4", False, True),
     ("modelopt_nvfp4", dict(agree=True), "nvfp4", False, "ulp"),
+    ("modelopt_nvfp4", dict(agree=True, pow2=True), "w4a8_nvfp4", False, True),
+    ("gpt_oss_mxfp4", dict(), "w4a8_mxfp4", False, True),
     ("gpt_oss_mxfp4", dict(), "mxfp8", False, True),
     ("gpt_oss_mxfp4", dict(), "bf16", False, True),
     ("hf_bf16", dict(shards=0), None, False, True),

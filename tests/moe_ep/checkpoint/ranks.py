@@ -13,7 +13,8 @@ import torch.distributed as dist
 # Largest per-token relative error of the layer against the unquantized plain-torch MoE: the activation
 # quantization of each format (weights are the checkpoint's own), with room; a swapped gate/up or nibble order
 # lands near 1.
-PLAIN_TOL = {"bf16": 2e-2, "fp8_block": 0.15, "fp8_tensor": 0.15, "mxfp8": 0.15, "nvfp4": 0.35}
+PLAIN_TOL = {"bf16": 2e-2, "fp8_block": 0.15, "fp8_tensor": 0.15, "mxfp8": 0.15, "nvfp4": 0.35, "w4a8_mxfp4": 0.15,
+             "w4a8_nvfp4": 0.15}
 
 
 def _all_tensors(path):

@@ -1,11 +1,12 @@
-"""An already-quantized pack (a checkpoint's bytes, moe_ep.checkpoint's converters) laid out for the Hopper kernels:
-what the kernel is handed reads back (Sm90KernelWeights.canonical(), the oracle's view) as the pack byte for byte,
-gate/up interleaved by 8 in the kernel tensors, in one piece or a few experts at a time; nothing is requantized."""
+"""An already-quantized pack (a checkpoint's bytes, moe_ep.checkpoint's converters) laid out for the Hopper kernels
+(FP8 blockwise and per tensor, BF16, W4A8 MXFP4): what the kernel is handed reads back (canonical(), the oracle's
+view) as the pack byte for byte, gate/up interleaved by 8 in the kernel tensors, in one piece or a few experts at a
+time; nothing is requantized."""
 import pytest
 import torch
 
 import moe_ep
-from moe_ep.checkpoint import convert_bf16, convert_fp8
+from moe_ep.checkpoint import convert_bf16, convert_fp4, convert_fp8
 from moe_ep.core.errors import FormatError
 from shim.sm90 import weights
 from tests.moe_ep.checkpoint import synth
@@ -30,10 +31,17 @@ def _packs():
     t = synth.tensors("hf_bf16", e=4, h=256, i=256, seed=8)
     w13, w2 = convert_bf16.per_expert_bf16(_stack(t, "gate_proj", "weight"), _stack(t, "up_proj", "weight"),
                                            _stack(t, "down_proj", "weight"))
-    return {"fp8_block": fp8, "bf16": moe_ep.QuantizedWeights("bf16", w13, w2, expert_offset=8)}
+    t = synth.tensors("modelopt_fp8", e=4, h=256, i=256, agree=True, seed=9)
+    act = convert_fp8.layer_input_scale(_stack(t, "gate_proj", "input_scale"), _stack(t, "up_proj", "input_scale"))
+    tensor, report = convert_fp8.modelopt_fp8_tensor(
+        *(_stack(t, p, s) for p in ("gate_proj", "up_proj") for s in ("weight", "weight_scale")),
+        _stack(t, "down_proj", "weight"), _stack(t, "down_proj", "weight_scale"), act,
+        convert_fp8.layer_input_scale(_stack(t, "down_proj", "input_scale")), expert_offset=8)
+    assert report.exact
+    return {"fp8_block": fp8, "fp8_tensor": tensor, "bf16": moe_ep.QuantizedWeights("bf16", w13, w2, expert_offset=8)}
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor", "bf16"])
 @pytest.mark.parametrize("chunk_bytes", [1 << 30, 2 * 512 * 256 * 4])  # all experts at once / two at a time
 def test_a_checkpoint_pack_reads_back_byte_for_byte(fmt, chunk_bytes):
     qw = _packs()[fmt]
@@ -47,6 +55,23 @@ def test_a_checkpoint_pack_reads_back_byte_for_byte(fmt, chunk_bytes):
     g = weights.GATE_UP_INTERLEAVE
     assert _same(storage[:, g:2 * g], qw.w13_q[:, 256:256 + g]) and kw.fc1.stride(1) == 1
     assert storage.data_ptr() != qw.w13_q.data_ptr()  # the kernel's own tensors: the pack may be dropped
+
+
+def test_a_gpt_oss_pack_in_the_w4a8_layout_reads_back_byte_for_byte():
+    from shim.sm90 import w4a8_weights
+
+    t = synth.tensors("gpt_oss_mxfp4", e=4, h=256, i=256, seed=13)
+    qw, report, _ = convert_fp4.gpt_oss_mxfp4(t[f"{STEM}.gate_up_proj_blocks"], t[f"{STEM}.gate_up_proj_scales"],
+                                              t[f"{STEM}.down_proj_blocks"], t[f"{STEM}.down_proj_scales"],
+                                              fmt="w4a8_mxfp4", expert_offset=4)
+    assert report.exact
+    w = moe_ep.ExpertWeights.from_quantized(qw, rank=1, world_size=2, num_experts=8)
+    got = w4a8_weights.prepare(w, torch.device("cpu")).canonical()
+    assert got.fmt == "w4a8_mxfp4" and got.expert_offset == 4
+    for name in qw.tensor_fields():
+        assert _same(getattr(got, name), getattr(qw, name)), name
+    with pytest.raises(FormatError, match="Hopper W4A8 kernel runs 'w4a8_mxfp4'"):
+        w4a8_weights.prepare(moe_ep.ExpertWeights.from_quantized(_packs()["bf16"], 0, 1, 4), torch.device("cpu"))
 
 
 def test_the_frontend_entry_takes_either_kind_of_weights():
