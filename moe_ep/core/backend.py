@@ -31,6 +31,10 @@ class Backend:
     weight_formats: ClassVar[Tuple[str, ...]] = FORMATS
     input_dtypes: ClassVar[Tuple[torch.dtype, ...]] = (torch.bfloat16,)
     routing_weight_dtypes: ClassVar[Tuple[torch.dtype, ...]] = (torch.float32,)
+    # Whether forward() takes out=None and returns a fresh bf16 [T, H] tensor of its own making: the layer then
+    # leaves a call without `out` to it (a kernel backend keys its in-place graphs by buffer addresses, and a
+    # fresh output's address is the allocator's choice).
+    allocates_output: ClassVar[bool] = False
 
     def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None):
         self.spec = spec
@@ -48,7 +52,8 @@ class Backend:
         raise NotImplementedError
 
     def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                out: torch.Tensor) -> torch.Tensor:
+                out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Writes out (bf16 [T, H]) and returns it; out is None only when `allocates_output`."""
         raise NotImplementedError
 
     def oracle_weights(self) -> QuantizedWeights:

@@ -351,11 +351,15 @@ class MoELayer(LayerGeometry):
             topk_weights = topk_weights.to(torch.float32)
         if want is torch.bfloat16 and out is not None:
             target = out
+        elif n == 1 and be.allocates_output:
+            target = None  # the backend returns a fresh tensor (moe_ep.core.backend.Backend.allocates_output)
         else:
             target = torch.empty((t, self.spec.hidden_size), dtype=torch.bfloat16, device=self.ctx.device)
         router = self._eplb  # logical ids -> slots, pairs counted, per launch (docs/eplb.md)
         if n == 1:
-            be.forward(hidden, topk_idx if router is None else router.route(topk_idx), topk_weights, target)
+            res = be.forward(hidden, topk_idx if router is None else router.route(topk_idx), topk_weights, target)
+            if target is None:
+                target = res
         else:
             c = self.spec.max_tokens_per_rank
             for i in range(n):

@@ -62,6 +62,7 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     # The frontend copies both into its buffers on every path anyway; the copy converts (shim/common/frontend.py).
     input_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     routing_weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    allocates_output = True  # out=None: the frontend's graph writes its workspace, the call returns a fresh copy
 
     @classmethod
     def row_classes(cls) -> Dict[str, type]:

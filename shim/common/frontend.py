@@ -83,7 +83,7 @@ class MegaMoEFrontend(Composed, LayerGeometry):
         self._args_cache: Dict[Tuple[int, int, int], dict] = {}
         self.compiled = None
         self.compiled_from_cache = False
-        self.graphs = GraphCache(lambda: self._pool.graph_pool)
+        self._views: Tuple[str, ...] = ()
         self._alloc()
 
     @final
@@ -209,15 +209,20 @@ class MegaMoEFrontend(Composed, LayerGeometry):
     def _alloc(self) -> None:
         from shim.common.workspace import pool_for
 
-        self._pool = pool_for(self.ctx, self.arch, self.compile_only)
+        self._pool = pool = pool_for(self.ctx, self.arch, self.compile_only)
+        # The getter closes over the pool, not over this frontend: a frontend in a reference cycle outlives its
+        # close() until the garbage collector runs, holding its weights (GiBs) and workspace views.
+        self.graphs = GraphCache(lambda: pool.graph_pool)
         self._lease = self._pool.acquire(id(self), self.staging_buffers(), self.compile_key(),
                                          self.kernel.get_workspace_sizes(), self.kernel_buffers())
         self._bind()
 
     def _bind(self) -> None:
         """(Re)bind this layer's views of the pool; after the pool grew, drop what holds the old addresses."""
-        for name, t in self._lease.views().items():
+        views = self._lease.views()
+        for name, t in views.items():
             setattr(self, name, t)
+        self._views = tuple(views)
         if self.knobs.fc2_in_kernel_topk_reduce:
             self.out_buf = self.sym_out
         else:
@@ -312,46 +317,48 @@ class MegaMoEFrontend(Composed, LayerGeometry):
     @final
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Inputs are validated by moe_ep (shapes, dtypes, ids in range, T <= capacity); out [T, H] bf16.
+        """Inputs are validated by moe_ep (shapes, dtypes, ids in range, T <= capacity); out [T, H] bf16, or None:
+        a fresh [T, H] bf16 tensor the caller owns is returned.
 
         Outside a stream capture every call replays an internal CUDA graph (shim/common/graph_cache.py): in place
-        over the caller's buffers when they come back, else over the workspace's inputs by token count. Inside a
-        caller's capture (the caller graphs the whole model) the launch is eager.
+        over the caller's buffers when they come back, else over the workspace's inputs by token count. Without
+        `out` the graph writes the workspace's output buffer and the call returns a copy of it: keyed by the
+        caller's inputs alone, since a fresh output's address is the allocator's choice (keying by it captured a
+        graph every other call on the H200). Inside a caller's capture (the caller graphs the whole model) the
+        launch is eager.
         """
         t = x.shape[0]
         graphing = self.use_graphs and not self.compile_only and not _capturing()
-        key = None
-        if graphing and out is not None:
+        if graphing:
             # The steady state first (an engine's static buffers): one dict lookup and the replay.
             key = buffers_key(t, x, topk_idx, topk_weights, out)
             graph = self.graphs.get(key)
             if graph is not None and not self._lease.stale:
                 graph.replay()
-                return out
+                return out if out is not None else self.out_buf[:t].clone()
         if self._weights is None:
             raise RuntimeError("load_weights() must run before forward()")
         if self._lease.stale:
             self._bind()
         if self.compiled is None:
             self.compile()
-        if out is None:
-            out = torch.empty((t, self.hidden_size), dtype=torch.bfloat16, device=self.device)
         if not graphing:
+            if out is None:
+                out = torch.empty((t, self.hidden_size), dtype=torch.bfloat16, device=self.device)
             self._launch_in_place(t, x, topk_idx, topk_weights, out)
             return out
-        if key is None:  # out was allocated just above
-            key = buffers_key(t, x, topk_idx, topk_weights, out)
-        if self.graphs.in_place(key, lambda: self._launch_in_place(t, x, topk_idx, topk_weights, out)):
-            return out
-        # Buffers seen once: copy them into the workspace and replay the graph of this token count.
-        if t:
-            self.x_in[:t].copy_(x)
-            self.topk_idx[:t].copy_(topk_idx)
-            self.topk_w[:t].copy_(topk_weights)
-        self.graphs.by_token_count(t, lambda: self._launch(t, self.x_in[:t], None))
-        if t:
-            out.copy_(self.out_buf[:t])
-        return out
+        if not self.graphs.in_place(key, lambda: self._launch_in_place(t, x, topk_idx, topk_weights, out)):
+            # Buffers seen once (or captures rationed): copy them into the workspace, replay by token count.
+            if t:
+                self.x_in[:t].copy_(x)
+                self.topk_idx[:t].copy_(topk_idx)
+                self.topk_w[:t].copy_(topk_weights)
+            self.graphs.by_token_count(t, lambda: self._launch(t, self.x_in[:t], None))
+            if out is not None:
+                if t:
+                    out.copy_(self.out_buf[:t])
+                return out
+        return out if out is not None else self.out_buf[:t].clone()
 
     def _launch_in_place(self, t: int, x, topk_idx, topk_weights, out) -> None:
         if t:
@@ -379,14 +386,19 @@ class MegaMoEFrontend(Composed, LayerGeometry):
         target = out if direct else self.out_buf[:out_rows]
         if self.sym_out is not None:
             self.sym_out[:out_rows].zero_()
-        key = (rows, out_rows, target.data_ptr())
+        # Arguments over the workspace's output are kept; a caller's `out` is wrapped anew each launch: a kept
+        # CuTe tensor holds its torch storage alive (DLPack), so a cache of caller outputs pinned every output a
+        # call without `out` allocated, and each next call got a new address.
+        key = (rows, out_rows)
         args = self._args_cache.get(key)
         if args is None:
             if len(self._args_cache) > 64:
                 self._args_cache.clear()
-            args = self._args_cache[key] = self._runtime_args(ArgBuilder(real=True), rows, target)
+            args = self._args_cache[key] = self._runtime_args(ArgBuilder(real=True), rows, self.out_buf[:out_rows])
         else:
             args["stream"] = ArgBuilder(real=True).stream()
+        if direct:
+            args = dict(args, **self.output_args(ArgBuilder(real=True), target))
         self.compiled(**args)
         if out is not None and not direct and t > 0:
             out.copy_(self.out_buf[:t])
@@ -409,9 +421,15 @@ class MegaMoEFrontend(Composed, LayerGeometry):
     @final
     def close(self) -> None:
         """Collective: this layer's graphs go, and its share of the workspace is released."""
-        self.graphs.clear(forget_seen=False)
+        self.graphs.clear()
         self._args_cache.clear()
         self.compiled = None
         if self._lease is not None:
             self._lease.release()
             self._lease = None
+        # What this layer held goes now, whoever still refers to the frontend: its weights and its views of the
+        # workspace (a released arena stays allocated while a view of it lives).
+        self._weights = None
+        for name in self._views + ("sym_out", "out_buf"):
+            setattr(self, name, None)
+        self._views = ()

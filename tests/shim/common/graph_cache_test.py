@@ -1,6 +1,7 @@
 """The internal graphs' bookkeeping (shim/common/graph_cache.py) on CPU, with a stand-in for CUDA graphs: buffers seen
 once are not captured, the second sight captures and replays, later sights only replay; token-count graphs capture
-once; the caps clear what they cap; a capture records into the pool it is given."""
+once; a full cache drops its least recently used graph, one at a time; keys that churn (captured, never replayed by a
+later call) stop being captured after max_unproven of them; a capture records into the pool it is given."""
 
 import sys
 
@@ -60,18 +61,45 @@ def test_token_count_graphs_capture_once(cache):
     assert launch_count == [7] and g.replays == 3 and cache.get(7) is g
 
 
-def test_the_caps_clear_what_they_cap(cache, monkeypatch):
-    monkeypatch.setattr(GraphCache, "max_graphs", 2)
-    for t in range(2):
+def test_a_full_cache_drops_the_least_recently_used_graph(cache, monkeypatch):
+    monkeypatch.setattr(GraphCache, "max_graphs", 3)
+    for t in range(3):
         cache.by_token_count(t, lambda: None)
-    assert len(cache) == 2
-    cache.by_token_count(5, lambda: None)  # full: every graph goes before the new capture
-    assert len(cache) == 1 and cache.get(5) is not None
-    for k in range(8):  # 4 x max_graphs buffers seen once, then the set starts over
+    cache.by_token_count(0, lambda: None)  # 0 is now the most recently used
+    cache.by_token_count(5, lambda: None)  # full: only the least recently used (1) goes
+    assert len(cache) == 3 and cache.get(1) is None and all(cache.get(k) is not None for k in (0, 2, 5))
+    assert cache.captures == 4 and cache.evictions == 1
+    for k in range(4 * 3 + 1):  # the seen set is bounded too: the oldest sight is forgotten first
         cache.in_place(("b", k), lambda: None)
-    assert cache.in_place(("b", 0), lambda: None) is True  # still remembered: captured now
-    cache.in_place(("b", 99), lambda: None)  # the ninth: the seen set is cleared first
-    assert cache.in_place(("b", 1), lambda: None) is False  # forgotten
+    assert cache.in_place(("b", 0), lambda: None) is False  # forgotten: seen once more
+    assert cache.in_place(("b", 12), lambda: None) is True  # remembered: captured now
+
+
+def test_churning_keys_cost_a_bounded_number_of_captures(cache):
+    launches = []
+    for k in range(1000):  # every key seen twice (captured on its second sight), then never again
+        for _ in range(2):
+            cache.in_place(("b", k), lambda: launches.append(1))
+    windows = 1 + 2000 // cache.churn_window
+    assert len(FakeGraph.made) == cache.captures <= cache.max_unproven * windows, cache.captures
+    assert cache.declined >= 1000 - cache.max_unproven * windows
+    # A key that comes back proves its graph: captures go on for keys that are reused.
+    cache.clear()
+    for k in range(100):
+        for _ in range(3):
+            cache.in_place(("c", k % 20), lambda: None)
+    assert len(cache) == 20 and all(cache.get(("c", k)) is not None for k in range(20))
+
+
+def test_token_counts_launch_eagerly_while_captures_are_rationed(cache):
+    launched = []
+    for t in range(cache.max_unproven):
+        cache.by_token_count(t, lambda: None)
+    cache.by_token_count(99, lambda: launched.append(99))  # max_unproven graphs never replayed since: no capture
+    assert launched == [99] and cache.get(99) is None and cache.declined == 1
+    cache.by_token_count(0, lambda: None)  # a replay proves graph 0: one capture is allowed again
+    cache.by_token_count(99, lambda: launched.append(99))
+    assert launched == [99, 99] and cache.get(99) is not None
 
 
 def test_clear_keeps_or_forgets_what_was_seen(cache):
