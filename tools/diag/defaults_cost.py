@@ -8,8 +8,9 @@ DeepSeek-V3 FP8 (sm90_fp8_cutedsl, capacity = the benchmark's bucket of T). Per 
 (after the first calls: the first call of a T checks ids, a layer's first call agrees across ranks), back to back:
 the README's call `layer(x, idx, w)` (allocates the output), the same into a caller's `out`, and with an fp32
 hidden and bf16 routing weights (the lenient inputs: converted in the backend's own copies). Also the device
-time of one graphed call with the frontend's expert-id guard on and off (its cost is device time only). Prints a
-table; writes defaults_cost.json with --out. Target (#25.1): the defaults at T=1 within 25 us.
+time of one graphed call with the frontend's expert-id guard on and off (its cost is device time only), and the
+graphs the layer captured during each timed run (0 in the steady state). Prints a table; writes defaults_cost.json
+with --out. Target (#25.1): the defaults at T=1 within 25 us, the README call as cheap as the call into `out`.
 """
 
 from __future__ import annotations
@@ -66,11 +67,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             calls = {"readme_call_us": lambda: layer(x, idx, w), "into_out_us": lambda: layer(x, idx, w, out=out),
                      "fp32_hidden_bf16_weights_us": lambda: layer(x32, idx, w16, out=out)}
             row: Dict[str, object] = dict(T=t, capacity=cap, world=world, layer=kind)
+            graphs = layer.backend.frontend.graphs
             for name, call in calls.items():
                 for _ in range(3):  # first call (checks, agreement), capture, replay: the steady state
                     call()
                 sync()
+                before = graphs.captures
                 row[name] = host_us_per_call(call, 50, 9, sync, idle=False)
+                # Graphs captured during the 450 timed calls: 0 in the steady state (#25.1: the README call captured
+                # one every other call before the fix).
+                row[name.replace("_us", "_captures")] = graphs.captures - before
             if kind == "defaults":
                 fe = layer.backend.frontend
                 row["device_us_guard_on"] = cuda_time_us(lambda: layer(x, idx, w, out=out), iters=50, warmup=5)
@@ -84,8 +90,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if rank == 0:
                 print({kk: (round(v, 2) if isinstance(v, float) else v) for kk, v in row.items()}, flush=True)
     if rank == 0:
-        cols = ["T", "world", "layer", "readme_call_us", "into_out_us", "fp32_hidden_bf16_weights_us",
-                "device_us_guard_on", "device_us_guard_off"]
+        cols = ["T", "world", "layer", "readme_call_us", "readme_call_captures", "into_out_us", "into_out_captures",
+                "fp32_hidden_bf16_weights_us", "device_us_guard_on", "device_us_guard_off"]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
         for r in rows:

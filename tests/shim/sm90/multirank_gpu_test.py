@@ -22,6 +22,7 @@ calibration batch (x 1.1), as an engine's offline calibration would record them.
 The formats' own error is shown apart (rel_l2 against an unquantized fp32 reference), not tested.
 """
 import os
+import weakref
 
 import pytest
 import torch
@@ -259,9 +260,14 @@ def test_layers_of_different_geometry_and_format_share_one_workspace(dist_ctx, c
         grown = [(p.stats()["layers"] - before.get(id(p), {}).get("layers", 0),
                   p.stats()["kernel_layouts"] - before.get(id(p), {}).get("kernel_layouts", 0)) for p in live_pools()]
         assert (3, 3) in grown, grown
+        fronts = [weakref.ref(lay.backend.frontend) for lay in layers]
         for lay in reversed(layers):
             lay.close()
-        del layers
+        # Nothing of this round may stay referenced from here (the loop variables held the last layer, with its
+        # bf16 weights, and the last call's tensors), and a closed layer's memory must not wait for the garbage
+        # collector: no gc.collect() here, on purpose (a reference cycle held each frontend's weights until one).
+        del layers, lay, hidden, idx, w, out, report
+        assert all(f() is None for f in fronts), "a closed layer's frontend is still alive (a reference cycle?)"
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         after_round.append(torch.cuda.mem_get_info()[0])
