@@ -21,6 +21,7 @@ to the same bounds. Per-tensor FP8 needs a calibration: act_amax and fc2_act_ama
 calibration batch (x 1.1), as an engine's offline calibration would record them.
 The formats' own error is shown apart (rel_l2 against an unquantized fp32 reference), not tested.
 """
+import gc
 import os
 import weakref
 
@@ -267,7 +268,10 @@ def test_layers_of_different_geometry_and_format_share_one_workspace(dist_ctx, c
         # bf16 weights, and the last call's tensors), and a closed layer's memory must not wait for the garbage
         # collector: no gc.collect() here, on purpose (a reference cycle held each frontend's weights until one).
         del layers, lay, hidden, idx, w, out, report
-        assert all(f() is None for f in fronts), "a closed layer's frontend is still alive (a reference cycle?)"
+        alive = [f() for f in fronts if f() is not None]
+        assert not alive, f"closed layers' frontends still alive, referred to by " \
+                          f"{[[type(r).__name__ for r in gc.get_referrers(a)] for a in alive]}"
+        del alive
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         after_round.append(torch.cuda.mem_get_info()[0])
