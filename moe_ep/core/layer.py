@@ -138,6 +138,7 @@ class MoELayer(LayerGeometry):
         # converted here (moe_ep.core.backend.Backend.input_dtypes / routing_weight_dtypes).
         self._hidden_dtypes = getattr(cls, "input_dtypes", (torch.bfloat16,))
         self._weight_dtypes = getattr(cls, "routing_weight_dtypes", (torch.float32,))
+        self._backend_allocates = bool(getattr(cls, "allocates_output", False))
         self.backend_name = entry.name
         self.fmt = f
         self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
@@ -351,7 +352,7 @@ class MoELayer(LayerGeometry):
             topk_weights = topk_weights.to(torch.float32)
         if want is torch.bfloat16 and out is not None:
             target = out
-        elif n == 1 and be.allocates_output:
+        elif n == 1 and self._backend_allocates:
             target = None  # the backend returns a fresh tensor (moe_ep.core.backend.Backend.allocates_output)
         else:
             target = torch.empty((t, self.spec.hidden_size), dtype=torch.bfloat16, device=self.ctx.device)
