@@ -138,7 +138,9 @@ def rank_main(args) -> int:
         # In-band, every case gets a process group of its own (a group that fell out of step stays refused).
         group = dist.new_group(list(range(world))) if args.in_band else None
         rec = Recorder(out_dir, rank, _tag(case))
-        on = checks == "default"
+        # "default": the constructor's own schedule (None: values on the first call of a shape, the ranks' agreement
+        # on a layer's first calls); "off": none at all.
+        on = None if checks == "default" else False
         layers = [moe_ep.MoELayer(spec, p.rank_weights(rank), backend=backend, group=group, device=device,
                                   check_values=on, collective_checks=on, name=f"{_tag(case)}.L{k + 1}", **options)
                   for k, p in enumerate(problems)]
