@@ -8,7 +8,8 @@ For every entry of the shipped table (shim/sm90/tables/h200.json) the times of u
   - the heuristic's (the entry's heuristic_us);
   - world size 1: the tuner's measured winner ("wrote" in the log) and its three runners-up (the entry's
     runners_up), whose times are the fastest, 2nd, 3rd and 4th of the candidates timed in stages 1-2 of that key
-    in benchmarks/h200/round2_0.7.4/tune/tune_*_w1.log (graph replays at T = capacity; rounded to 1 us);
+    in benchmarks/h200/round2_0.7.4/tune/tune_*_w1.log and round 3's W4A8 tune.log (graph replays at T =
+    capacity; rounded to 1 us);
   - world size 2: every candidate of the collective tune (the entry's scores_us).
 Each entry is held out in turn, two ways: leave-capacity-out (the entries of its geometry and capacity at every
 world size: a capacity the table lacks for a geometry it has) and leave-geometry-out (every entry of the same H,
@@ -31,8 +32,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE = REPO / "shim" / "sm90" / "tables" / "h200.json"
+# The world-size-1 tuner logs behind the shipped table's entries: round 2's FP8 and BF16 sweeps, round 3's W4A8.
 LOGS = [REPO / "benchmarks" / "h200" / "round2_0.7.4" / "tune" / name
-        for name in ("tune_fp8_w1.log", "tune_bf16_w1.log")]
+        for name in ("tune_fp8_w1.log", "tune_bf16_w1.log")] + [
+            REPO / "benchmarks" / "h200" / "round3_0.7.4" / "run3_after_fixes" / "tune.log"]
 
 _LINE = re.compile(r"\] (?P<model>\w+)/(?P<fmt>\w+)/C(?P<cap>\d+) stage (?P<stage>[12]): (?P<us>[\d.]+) us(?P<cut> \(cut\))?;")
 _WROTE = re.compile(r"^\[tune\] (?P<model>\w+)/(?P<fmt>\w+)/C(?P<cap>\d+): wrote (?P<knobs>\{.*\}) \((?P<us>[\d.]+) us")

@@ -212,6 +212,7 @@ class _Key:
         self.results: List[Dict[str, Any]] = []
         self.heuristic = None
         self.accepts = None
+        self.written = False  # its table entry was written (a key over budget finishes without one)
 
     def label(self) -> str:
         return f"{self.model}/{self.fmt}/C{self.capacity}"
@@ -302,9 +303,9 @@ def tune_world1(args) -> int:
                     submit(key, _jobs(key, [Sm90Knobs.from_json(_ranked(key)[0]["knobs"])], "validate"))
                 elif key.stage == 3 and last is not None and last["kind"] == "validate":
                     key.stage = 4
-                    _record(table, table_path, key, last, device, version, drop_sha)
+                    key.written = _record(table, table_path, key, last, device, version, drop_sha)
                 else:
-                    key.stage = 4
+                    key.stage = 4  # over budget (or nothing ran): finished, nothing written
 
         # Geometries one after another (each worker holds one geometry's weights at a time), capacities together.
         for model in args.models:
@@ -334,9 +335,11 @@ def tune_world1(args) -> int:
     finally:
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
-    left = [k.label() for k in keys if k.stage < 4]
-    print(f"[tune] done in {time.perf_counter() - started:.0f} s; {len(keys) - len(left)} written"
-          + (f"; not finished (budget): {left} -- rerun to go on" if left else ""), flush=True)
+    written = [k for k in keys if k.written]
+    left = [k.label() for k in keys if not k.written]
+    print(f"[tune] done in {time.perf_counter() - started:.0f} s; {len(written)} written"
+          + (f"; not written (budget, or the winner failed its oracle check): {left} -- rerun to go on"
+             if left else ""), flush=True)
     return 0
 
 
@@ -367,13 +370,14 @@ def _progress(key: _Key, r: Dict[str, Any], done: int, total: int, started: floa
           f"best {best} us; {done}/{total}", flush=True)
 
 
-def _record(table, path: Path, key: _Key, validated: Dict[str, Any], device: str, version: str, sha: str) -> None:
+def _record(table, path: Path, key: _Key, validated: Dict[str, Any], device: str, version: str, sha: str) -> bool:
+    """Writes the key's entry (True), or says why not (False)."""
     ranked = _ranked(key)
     heur = _heuristic_us(key)
     if not validated.get("ok") or not validated.get("oracle_ok"):
         print(f"[tune] {key.label()}: the winner failed its oracle check, nothing written: "
               f"{validated.get('oracle_problems') or validated.get('error')}", flush=True)
-        return
+        return False
     winner = validated["knobs"]
     tuned_us = min(r["us"] for r in ranked if r["knobs"] == winner)
     kept = heur is not None and tuned_us > KEEP_HEURISTIC * heur
@@ -395,6 +399,7 @@ def _record(table, path: Path, key: _Key, validated: Dict[str, Any], device: str
     _write_table(path, table)
     print(f"[tune] {key.label()}: wrote {winner} ({tuned_us:.0f} us, heuristic "
           f"{'?' if heur is None else f'{heur:.0f}'} us)", flush=True)
+    return True
 
 
 def tune_collective(args) -> int:
