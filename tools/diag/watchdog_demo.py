@@ -39,7 +39,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -189,11 +188,10 @@ def _bound_from_env() -> float:
 
 # -- the wrapper: one launch per scenario ---------------------------------------------------------------------
 def launch_scenario(args, scenario: str, device: str, out: Path) -> dict:
-    from tools.launch.launcher import _rank_env, free_port, kill_rank
+    from tools.launch.launcher import launch_timed
 
     sdir = out / scenario
     sdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--scenario", scenario, "--out", str(sdir),
            "--fault-call", str(args.fault_call), "--fault-rank", str(args.fault_rank)]
     for flag, value in (("--calls", args.calls), ("--stall-s", args.stall_s), ("--backend", args.backend),
@@ -204,42 +202,21 @@ def launch_scenario(args, scenario: str, device: str, out: Path) -> dict:
         cmd.append("--collective-checks")
     extra = {"MOE_EP_TIMEOUT_S": str(args.bound)}
     limit = args.scenario_timeout or (120.0 if device == "cuda" else 60.0)
-    procs, logs, exit_t = [], [], {}
-    t_start = time.time()
-    for r in range(args.nproc):
-        log = open(out / f"{scenario}.rank{r}.log", "w+b")
-        logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=_rank_env(r, args.nproc, port, device, 300.0, extra),
-                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      cwd=str(REPO), start_new_session=True))
-    killed = []
-    while len(exit_t) < len(procs):
-        now = time.time()
-        for r, p in enumerate(procs):
-            if r not in exit_t and p.poll() is not None:
-                exit_t[r] = now
-        if now - t_start > limit:
-            for r, p in enumerate(procs):
-                if r not in exit_t:
-                    kill_rank(p, term_grace_s=0, wait_s=10)  # a rank past the limit is hung: no SIGTERM first
-                    killed.append(r)
-                    exit_t[r] = time.time()
-            break
-        time.sleep(0.02)
+    # A rank past the limit is hung: killed at once, no SIGTERM first.
+    t_start, launched = launch_timed(cmd, [str(out / f"{scenario}.rank{r}.log") for r in range(args.nproc)],
+                                     device=device, limit_s=limit, env=extra, cwd=str(REPO))
     ranks = []
     fault_rec = _read_json(sdir / f"fault.rank{args.fault_rank}.json")
     if scenario == "skip":
         fault_t = fault_rec.get("loop_end_t")  # the moment the others' last call is left without a partner
     else:
         fault_t = fault_rec.get("t")
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        text = log.read().decode("utf-8", "replace")
-        log.close()
-        m = MESSAGE_RE.search(text)
-        ranks.append({"rank": r, "returncode": None if r in killed else p.returncode, "killed_by_wrapper": r in killed,
-                      "exit_s_after_start": round(exit_t[r] - t_start, 3),
-                      "exit_s_after_fault": None if fault_t is None else round(exit_t[r] - fault_t, 3),
+    for lr in launched:
+        r = lr.rank
+        m = MESSAGE_RE.search(lr.output)
+        ranks.append({"rank": r, "returncode": lr.returncode, "killed_by_wrapper": lr.returncode is None,
+                      "exit_s_after_start": round(lr.exit_t - t_start, 3),
+                      "exit_s_after_fault": None if fault_t is None else round(lr.exit_t - fault_t, 3),
                       "watchdog_message": m.group(0) if m else None,
                       "record": _read_json(sdir / f"rank{r}.json") or None, "log": f"{scenario}.rank{r}.log"})
     result = {"scenario": scenario, "device": device, "nproc": args.nproc, "bound_s": args.bound,

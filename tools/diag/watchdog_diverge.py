@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -263,7 +262,7 @@ def _same(got, ref) -> bool:
 
 # -- the wrapper -----------------------------------------------------------------------------------------------
 def launch(args, name: str, cases: List[str], device: str, out: Path) -> dict:
-    from tools.launch.launcher import _rank_env, free_port, kill_rank
+    from tools.launch.launcher import launch_timed
 
     sdir = out / name
     sdir.mkdir(parents=True, exist_ok=True)
@@ -274,40 +273,17 @@ def launch(args, name: str, cases: List[str], device: str, out: Path) -> dict:
         cmd.append("--in-band")
     if args.backend:
         cmd += ["--backend", args.backend]
-    port = free_port()
     limit = args.scenario_timeout or (120.0 if device == "cuda" else 60.0)
-    procs, logs, exit_t = [], [], {}
-    t_start = time.time()
-    for r in range(args.nproc):
-        log = open(out / f"{name}.rank{r}.log", "w+b")
-        logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=_rank_env(r, args.nproc, port, device, 300.0,
-                                                         {"MOE_EP_TIMEOUT_S": str(args.bound)}),
-                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(REPO),
-                                      start_new_session=True))
-    killed = []
-    while len(exit_t) < len(procs):
-        now = time.time()
-        for r, p in enumerate(procs):
-            if r not in exit_t and p.poll() is not None:
-                exit_t[r] = now
-        if now - t_start > limit:
-            for r, p in enumerate(procs):
-                if r not in exit_t:
-                    kill_rank(p, term_grace_s=0, wait_s=10)
-                    killed.append(r)
-                    exit_t[r] = time.time()
-            break
-        time.sleep(0.02)
+    t_start, launched = launch_timed(cmd, [str(out / f"{name}.rank{r}.log") for r in range(args.nproc)],
+                                     device=device, limit_s=limit, env={"MOE_EP_TIMEOUT_S": str(args.bound)},
+                                     cwd=str(REPO))
     ranks = []
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        text = log.read().decode("utf-8", "replace")
-        log.close()
+    for lr in launched:
+        r, text = lr.rank, lr.output
         m = MESSAGE_RE.search(text)
         records = {c: _read_json(sdir / f"{_tag(c)}.rank{r}.json") for c in cases}
-        ranks.append({"rank": r, "returncode": None if r in killed else p.returncode, "killed_by_wrapper": r in killed,
-                      "exit_t": exit_t[r], "watchdog_message": m.group(0) if m else None, "records": records,
+        ranks.append({"rank": r, "returncode": lr.returncode, "killed_by_wrapper": lr.returncode is None,
+                      "exit_t": lr.exit_t, "watchdog_message": m.group(0) if m else None, "records": records,
                       "log": f"{name}.rank{r}.log", "log_tail": text[-1500:]})
     return {"launch": name, "cases": cases, "device": device, "in_band": args.in_band, "nproc": args.nproc,
             "bound_s": args.bound, "seconds": round(time.time() - t_start, 2), "ranks": ranks}

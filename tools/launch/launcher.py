@@ -27,9 +27,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["RankFailure", "RankResult", "launch", "launch_function", "free_port", "kill_rank", "main"]
+__all__ = ["RankFailure", "RankResult", "TimedRank", "launch", "launch_function", "launch_timed", "free_port",
+           "kill_rank", "main"]
 
 _WORKER = str(Path(__file__).resolve().with_name("worker.py"))
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -90,13 +91,8 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
     logdir = tempfile.mkdtemp(prefix="moe_ep_ranks_")
     procs, logs = [], []
     try:
-        for r in range(nproc):
-            log = open(os.path.join(logdir, f"rank{r}.log"), "w+b")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, *argv], env=_rank_env(r, nproc, port, device,
-                                                                                   pg_timeout_s, env),
-                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          cwd=cwd, start_new_session=True))
+        _spawn([sys.executable, *argv], [os.path.join(logdir, f"rank{r}.log") for r in range(nproc)], procs, logs,
+               port=port, device=device, pg_timeout_s=pg_timeout_s, env=env, cwd=cwd)
         deadline = time.monotonic() + timeout_s
         first_failure = None
         while True:
@@ -124,6 +120,68 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
         for p in procs:
             if p.poll() is None:
                 kill_rank(p)
+        for log in logs:
+            log.close()
+
+
+def _spawn(cmd: Sequence[str], log_paths: Sequence[str], procs: list, logs: list, *, port: int, device: str,
+           pg_timeout_s: float, env: Optional[Dict[str, str]], cwd: Optional[str]) -> None:
+    """One rank a log path, each in a session of its own (kill_rank ends it with its children); appends to procs
+    and logs as it goes, so the caller's cleanup reaches every rank started before a failure."""
+    for r, path in enumerate(log_paths):
+        log = open(path, "w+b")
+        logs.append(log)
+        procs.append(subprocess.Popen(list(cmd), env=_rank_env(r, len(log_paths), port, device, pg_timeout_s, env),
+                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
+                                      start_new_session=True))
+
+
+@dataclass
+class TimedRank:
+    rank: int
+    returncode: Optional[int]  # None: killed at the limit
+    exit_t: float  # time.time() when its exit was seen: comparable with the times the ranks themselves record
+    output: str
+
+
+def launch_timed(cmd: Sequence[str], log_paths: Sequence[str], *, device: str, limit_s: float,
+                 env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+                 pg_timeout_s: float = 300.0) -> Tuple[float, List[TimedRank]]:
+    """Run cmd (argv, interpreter included) as len(log_paths) ranks, each writing its output to its log path (kept),
+    and note when each exits; ranks still running after limit_s are hung and killed at once (no SIGTERM first).
+    No grace period after a failure: for drivers that time how every rank ends (the watchdog diagnostics).
+    Returns the start time (time.time()) and the ranks in order."""
+    port = free_port()
+    procs: List[subprocess.Popen] = []
+    logs: list = []
+    exit_t: Dict[int, float] = {}
+    killed = set()
+    t_start = time.time()
+    try:
+        _spawn(cmd, log_paths, procs, logs, port=port, device=device, pg_timeout_s=pg_timeout_s, env=env, cwd=cwd)
+        while len(exit_t) < len(procs):
+            now = time.time()
+            for r, p in enumerate(procs):
+                if r not in exit_t and p.poll() is not None:
+                    exit_t[r] = now
+            if now - t_start > limit_s:
+                for r, p in enumerate(procs):
+                    if r not in exit_t:
+                        kill_rank(p, term_grace_s=0, wait_s=10)
+                        killed.add(r)
+                        exit_t[r] = time.time()
+                break
+            time.sleep(0.02)
+        ranks = []
+        for r, (p, log) in enumerate(zip(procs, logs)):
+            log.seek(0)
+            ranks.append(TimedRank(r, None if r in killed else p.returncode, exit_t[r],
+                                   log.read().decode("utf-8", "replace")))
+        return t_start, ranks
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_rank(p, term_grace_s=0, wait_s=10)
         for log in logs:
             log.close()
 
