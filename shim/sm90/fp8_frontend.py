@@ -21,7 +21,7 @@ from shim.sm90 import weights as sm90_weights
 from shim.sm90.frontend import Sm90Frontend
 from shim.sm90.knobs import Sm90Knobs
 
-__all__ = ["Sm90Fp8Frontend"]
+__all__ = ["Sm90Fp8Frontend", "Sm90StagedFp8Frontend"]
 
 ACT_BLOCK = codecs.FP8_ACT_BLOCK_K
 
@@ -30,13 +30,19 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-class Sm90Fp8Frontend(Sm90Frontend):
-    fmt = "fp8_block"
-    staging = "torch"  # "fused" once compile() has checked the fused kernel on this device
+class Sm90StagedFp8Frontend(Sm90Frontend):
+    """What the FP8-activation frontends with a fused staging kernel share (FP8 blockwise, W4A8): the FP8 format
+    arguments, the activation scale row, and the compile-time check that the fused kernel gives the format
+    quantizer's bytes on this device (else the torch quantizer, with a warning). A format says how it stages
+    (stage_fused), what the quantizer's bytes are (fused_matches) and the probe's seed and magnitudes."""
 
-    def kernel_class(self, knobs: Sm90Knobs):
-        ks = self.symbols()
-        return ks.Sm90MegaMoESwapABFp8Kernel if knobs.swap_ab else ks.Sm90MegaMoEFp8Kernel
+    staging = "torch"  # "fused" once compile() has checked the fused kernel on this device
+    staging_name = "FP8 staging"  # in the fallback's warnings
+    probe_seed = 7
+    probe_decades = (-4, 3)  # the probe rows' magnitudes, 10^a .. 10^b
+
+    def accum_mode(self, knobs: Sm90Knobs) -> str:
+        return knobs.accum_mode
 
     def format_kwargs(self, knobs: Sm90Knobs):
         import cutlass
@@ -44,7 +50,54 @@ class Sm90Fp8Frontend(Sm90Frontend):
         ks = self.symbols()
         return dict(sf_padding_block=ks.SfPaddingBlock, ab_dtype=cutlass.Float8E4M3FN,
                     sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=self.format.scale_mode,
-                    fp8_accum_mode=knobs.accum_mode)
+                    fp8_accum_mode=self.accum_mode(knobs))
+
+    def stage_fused(self, x: torch.Tensor) -> None:
+        """x's rows into the input buffers by the fused kernel."""
+        raise NotImplementedError
+
+    def fused_matches(self, x: torch.Tensor) -> bool:
+        """Whether the input buffers' first len(x) rows hold the format quantizer's bytes for x."""
+        raise NotImplementedError
+
+    def check_on_device(self) -> None:
+        if self.staging != "fused":
+            self.staging = self._check_fused_staging()
+
+    def _check_fused_staging(self) -> str:
+        """"fused" when the fused kernel gives the format quantizer's bytes on this device, else "torch"."""
+        if not fp8_staging.available():
+            return "torch"
+        # Into the very buffers (and so the dtypes and strides) the forwards stage into: the kernel is built here,
+        # outside any graph capture. The rows are restaged before the next launch reads them.
+        gen = torch.Generator().manual_seed(self.probe_seed)
+        t, h = min(64, self.max_tokens_per_rank), self.hidden_size
+        x = torch.randn(t, h, generator=gen) * torch.logspace(*self.probe_decades, t).unsqueeze(1)
+        x = x.to(torch.bfloat16).to(self.device)
+        # stacklevel 4: the warning points at whoever called compile() (-> check_on_device -> here).
+        try:
+            self.stage_fused(x)
+            same = self.fused_matches(x)
+        except Exception as e:  # noqa: BLE001 - any failure of the optional kernel means the torch path
+            warnings.warn(f"fused {self.staging_name} unavailable here ({type(e).__name__}: {e}); staging with "
+                          "torch ops", RuntimeWarning, stacklevel=4)
+            return "torch"
+        if not same:
+            warnings.warn(f"the fused {self.staging_name} kernel's bytes differ from the format quantizer's on this "
+                          "device; staging with torch ops", RuntimeWarning, stacklevel=4)
+            return "torch"
+        return "fused"
+
+    def activation_args(self, b, rows: int):
+        return dict(super().activation_args(b, rows), activation_sf=b.tensor(self.act_sf[:rows]))
+
+
+class Sm90Fp8Frontend(Sm90StagedFp8Frontend):
+    fmt = "fp8_block"
+
+    def kernel_class(self, knobs: Sm90Knobs):
+        ks = self.symbols()
+        return ks.Sm90MegaMoESwapABFp8Kernel if knobs.swap_ab else ks.Sm90MegaMoEFp8Kernel
 
     def check_kernel(self, kernel) -> None:
         ks = self.symbols()
@@ -60,7 +113,7 @@ class Sm90Fp8Frontend(Sm90Frontend):
         # The bytes of moe_ep's format quantizer either way: the oracle re-derives them from the same bf16 input.
         t, h = x.shape
         if self.staging == "fused":
-            fp8_staging.launch_fused(x, self.act, self.act_sf)
+            self.stage_fused(x)
         else:
             q, scale = codecs.fp8_quantize_rows(x, ACT_BLOCK, reciprocal=False)
             self.act[:t].view(torch.uint8).copy_(q.view(torch.uint8))
@@ -69,37 +122,14 @@ class Sm90Fp8Frontend(Sm90Frontend):
             # Zero word padding, every call: the staging arena is shared by every layer (shim/common/workspace.py).
             self.act_sf[:t, h // ACT_BLOCK:].zero_()
 
-    def check_on_device(self) -> None:
-        if self.staging != "fused":
-            self.staging = self._check_fused_staging()
+    def stage_fused(self, x: torch.Tensor) -> None:
+        fp8_staging.launch_fused(x, self.act, self.act_sf)
 
-    def _check_fused_staging(self) -> str:
-        """"fused" when the fused kernel gives the format quantizer's bytes on this device, else "torch"."""
-        if not fp8_staging.available():
-            return "torch"
-        # Into the very buffers (and so the dtypes and strides) the forwards stage into: the kernel is built here,
-        # outside any graph capture. The rows are restaged before the next launch reads them.
-        gen = torch.Generator().manual_seed(7)
-        t, h = min(64, self.max_tokens_per_rank), self.hidden_size
-        x = torch.randn(t, h, generator=gen) * torch.logspace(-4, 3, t).unsqueeze(1)
-        x = x.to(torch.bfloat16).to(self.device)
-        try:
-            fp8_staging.launch_fused(x, self.act, self.act_sf)
-            rq, rs = codecs.fp8_quantize_rows(x, ACT_BLOCK, reciprocal=False)
-            q, s = self.act[:t].view(torch.uint8), self.act_sf[:t, : h // ACT_BLOCK]
-            same = torch.equal(q, rq.view(torch.uint8)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
-        except Exception as e:  # noqa: BLE001 - any failure of the optional kernel means the torch path
-            warnings.warn(f"fused FP8 staging unavailable here ({type(e).__name__}: {e}); staging with torch ops",
-                          RuntimeWarning, stacklevel=4)
-            return "torch"
-        if not same:
-            warnings.warn("the fused FP8 staging kernel's bytes differ from the format quantizer's on this device; "
-                          "staging with torch ops", RuntimeWarning, stacklevel=4)
-            return "torch"
-        return "fused"
-
-    def activation_args(self, b, rows: int):
-        return dict(super().activation_args(b, rows), activation_sf=b.tensor(self.act_sf[:rows]))
+    def fused_matches(self, x: torch.Tensor) -> bool:
+        t, h = x.shape
+        rq, rs = codecs.fp8_quantize_rows(x, ACT_BLOCK, reciprocal=False)
+        q, s = self.act[:t].view(torch.uint8), self.act_sf[:t, : h // ACT_BLOCK]
+        return torch.equal(q, rq.view(torch.uint8)) and torch.equal(s.view(torch.int32), rs.view(torch.int32))
 
     def weight_args(self, b, w: sm90_weights.Sm90KernelWeights):
         return dict(

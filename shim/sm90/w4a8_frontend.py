@@ -14,13 +14,11 @@ top-k reduce (the W4A8 kernel has no in-kernel reduce).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from moe_ep.formats import QuantizedActivation, codecs
 from shim.sm90 import fp8_staging, w4a8_weights
-from shim.sm90.frontend import Sm90Frontend
+from shim.sm90.fp8_frontend import Sm90StagedFp8Frontend
 from shim.sm90.knobs import Sm90Knobs
 
 __all__ = ["Sm90W4A8Frontend"]
@@ -28,21 +26,19 @@ __all__ = ["Sm90W4A8Frontend"]
 SCALE_ROW = 4  # fp32 words per token in the activation scale row (megamoe_kernel_fp8.py sf_uint32_per_token)
 
 
-class Sm90W4A8Frontend(Sm90Frontend):
+class Sm90W4A8Frontend(Sm90StagedFp8Frontend):
     fmt = "w4a8_mxfp4"
-    staging = "torch"  # "fused" once compile() has checked the fused kernel on this device
+    staging_name = "per-token FP8 staging"
+    probe_seed = 11
+    probe_decades = (-6, 4)
 
     def kernel_class(self, knobs: Sm90Knobs):
         # Swap-AB only: the knob space pins swap_ab (a tree without the module is refused by the registry's probe,
         # before anything gets here).
         return self.symbols().Sm90MegaMoESwapABMxfp4Fp8Kernel
 
-    def format_kwargs(self, knobs: Sm90Knobs):
-        import cutlass
-
-        ks = self.symbols()
-        return dict(sf_padding_block=ks.SfPaddingBlock, ab_dtype=cutlass.Float8E4M3FN,
-                    sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=self.format.scale_mode, fp8_accum_mode="1xacc")
+    def accum_mode(self, knobs: Sm90Knobs) -> str:
+        return "1xacc"
 
     def input_buffers(self):
         c, h = self.max_tokens_per_rank, self.hidden_size
@@ -51,39 +47,18 @@ class Sm90W4A8Frontend(Sm90Frontend):
     def stage_activations(self, x: torch.Tensor) -> None:
         # The bytes of moe_ep's format quantizer either way: the oracle re-derives them from the same bf16 input.
         if self.staging == "fused":
-            fp8_staging.launch_fused_rows(x, self.act, self.act_sf)
+            self.stage_fused(x)
         else:
             fp8_staging.stage_fp8_rows_reference(x, self.act, self.act_sf)
 
-    def check_on_device(self) -> None:
-        if self.staging != "fused":
-            self.staging = self._check_fused_staging()
+    def stage_fused(self, x: torch.Tensor) -> None:
+        fp8_staging.launch_fused_rows(x, self.act, self.act_sf)
 
-    def _check_fused_staging(self) -> str:
-        """"fused" when the fused per-row kernel gives the format quantizer's bytes on this device, else "torch"."""
-        if not fp8_staging.available():
-            return "torch"
-        gen = torch.Generator().manual_seed(11)
-        t, h = min(64, self.max_tokens_per_rank), self.hidden_size
-        x = (torch.randn(t, h, generator=gen) * torch.logspace(-6, 4, t).unsqueeze(1)).to(torch.bfloat16)
-        x = x.to(self.device)
-        try:
-            fp8_staging.launch_fused_rows(x, self.act, self.act_sf)
-            rq, rs = codecs.fp8_quantize_rows(x, h, reciprocal=False)
-            same = torch.equal(self.act[:t].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(
-                self.act_sf[:t].view(torch.int32), rs.expand(t, SCALE_ROW).contiguous().view(torch.int32))
-        except Exception as e:  # noqa: BLE001 - any failure of the optional kernel means the torch path
-            warnings.warn(f"fused per-token FP8 staging unavailable here ({type(e).__name__}: {e}); staging with "
-                          "torch ops", RuntimeWarning, stacklevel=3)
-            return "torch"
-        if not same:
-            warnings.warn("the fused per-token FP8 staging kernel's bytes differ from the format quantizer's on this "
-                          "device; staging with torch ops", RuntimeWarning, stacklevel=3)
-            return "torch"
-        return "fused"
-
-    def activation_args(self, b, rows: int):
-        return dict(super().activation_args(b, rows), activation_sf=b.tensor(self.act_sf[:rows]))
+    def fused_matches(self, x: torch.Tensor) -> bool:
+        t, h = x.shape
+        rq, rs = codecs.fp8_quantize_rows(x, h, reciprocal=False)
+        return torch.equal(self.act[:t].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(
+            self.act_sf[:t].view(torch.int32), rs.expand(t, SCALE_ROW).contiguous().view(torch.int32))
 
     def prepare_weights(self, weights):
         return w4a8_weights.prepare(weights, self.device)
