@@ -49,8 +49,24 @@ def _check_amax(name: str, value) -> Optional[float]:
     return float(value)
 
 
+class _RankBlock:
+    """The contiguous block of experts a rank owns (rank, world_size, num_experts checked by _check_ownership)."""
+
+    rank: int
+    world_size: int
+    num_experts: int
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+    @property
+    def expert_offset(self) -> int:
+        return self.rank * self.experts_per_rank
+
+
 @dataclass
-class ExpertWeights:
+class ExpertWeights(_RankBlock):
     """The bf16 expert weights one rank owns.
 
     act_amax / fc2_act_amax: optional activation calibration (the largest |value| expected in the FC1 input
@@ -86,14 +102,6 @@ class ExpertWeights:
                                            f"{tuple(self.w13.shape)}, got {tuple(self.w2.shape)}")
         self.act_amax = _check_amax("weights.act_amax", self.act_amax)
         self.fc2_act_amax = _check_amax("weights.fc2_act_amax", self.fc2_act_amax)
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.world_size
-
-    @property
-    def expert_offset(self) -> int:
-        return self.rank * self.experts_per_rank
 
     @property
     def hidden_size(self) -> int:
@@ -216,7 +224,7 @@ def check_pack(qw: QuantizedWeights, prefix: str = "weights.qw") -> None:
 
 
 @dataclass
-class QuantizedExpertWeights:
+class QuantizedExpertWeights(_RankBlock):
     """The already-quantized expert weights one rank owns: qw (moe_ep.QuantizedWeights, canonical layout, this
     rank's E_local experts, expert_offset = rank * E_local) is laid out for the kernel as it is. The layer runs
     in qw.fmt; asking it for another fmt is a FormatError (moe_ep never requantizes a given pack), and so is a
@@ -279,14 +287,6 @@ class QuantizedExpertWeights:
             raise ShapeError("weights.qw", f"holds experts of hidden {self.hidden_size}, intermediate "
                                            f"{self.intermediate_size}; the spec has {spec.hidden_size}, "
                                            f"{spec.intermediate_size}")
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.world_size
-
-    @property
-    def expert_offset(self) -> int:
-        return self.rank * self.experts_per_rank
 
     @property
     def hidden_size(self) -> int:
