@@ -88,20 +88,13 @@ def main(argv=None) -> int:
     if args.model:
         return _model_mode(args)
     device, ranks = _device_and_ranks(args.device, args.ranks, args.backend)
-    from tools.launch.launcher import RankFailure, launch_function
-
     kwargs = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, num_experts=args.experts,
                   top_k=args.topk, tokens=args.tokens, routing=args.routing, seed=args.seed,
                   backend=None if args.backend == "auto" else args.backend, fmt=args.fmt, iters=args.iters,
                   raise_on_failure=False)
-    t0 = time.perf_counter()
-    try:
-        results = launch_function("moe_ep.testing.scenario:run_scenario", ranks, kwargs, device=device,
-                                  timeout_s=args.timeout)
-    except RankFailure as e:
-        print(f"main job failed:\n{e}", file=sys.stderr)
+    results, wall = _on_ranks("moe_ep.testing.scenario:run_scenario", ranks, kwargs, device, args.timeout, "main job")
+    if results is None:
         return 1
-    wall = time.perf_counter() - t0
 
     r0 = results[0]
     e_local = args.experts // ranks
@@ -130,6 +123,20 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
+def _on_ranks(target: str, ranks: int, kwargs: dict, device: str, timeout_s: float, what: str):
+    """target(**kwargs) on every rank: (each rank's result, wall seconds), or (None, None) once a failed launch
+    has been reported with every rank's output."""
+    from tools.launch.launcher import RankFailure, launch_function
+
+    t0 = time.perf_counter()
+    try:
+        results = launch_function(target, ranks, kwargs, device=device, timeout_s=timeout_s)
+    except RankFailure as e:
+        print(f"{what} failed:\n{e}", file=sys.stderr)
+        return None, None
+    return results, time.perf_counter() - t0
+
+
 def _model_mode(args) -> int:
     """A tiny random transformers MoE model, its experts on moe_ep over N ranks, generating next to its own."""
     from moe_ep.core.device import cuda_device_count
@@ -137,18 +144,12 @@ def _model_mode(args) -> int:
     gpus = cuda_device_count()
     default_ranks = 2 if args.device == "cpu" or not gpus else max(1, min(2, gpus))
     device, ranks = _device_and_ranks(args.device, args.ranks or default_ranks, args.backend)
-    from tools.launch.launcher import RankFailure, launch_function
-
     kwargs = dict(arch=args.model, new_tokens=args.new_tokens, batch=1, seed=args.seed,
                   backend=None if args.backend == "auto" else args.backend, fmt=args.fmt)
-    t0 = time.perf_counter()
-    try:
-        results = launch_function("moe_ep.testing.hf_models:run_model_check", ranks, kwargs, device=device,
-                                  timeout_s=args.timeout)
-    except RankFailure as e:
-        print(f"model mode failed:\n{e}", file=sys.stderr)
+    results, wall = _on_ranks("moe_ep.testing.hf_models:run_model_check", ranks, kwargs, device, args.timeout,
+                              "model mode")
+    if results is None:
         return 1
-    wall = time.perf_counter() - t0
     r0 = results[0]
     print(f"megamoe-ep model mode: tiny random {args.model} (transformers, from its config), {ranks} rank(s) on "
           f"{device}; routed experts on moe_ep {r0['backend']} ({r0['fmt']}), {r0['layers']} MoE layer(s), "
