@@ -24,29 +24,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from tools.checkpoint import fresh
+
 __all__ = ["child", "main"]
 
-_REPO = str(Path(__file__).resolve().parents[2])
 _GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _status(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _reset_peak() -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return _status("VmRSS")
+    return fresh.status_bytes("VmRSS")
 
 
 def _checkpoint_expert(ck, plan, e: int, dev):
@@ -116,7 +109,7 @@ def child(path: str, layer_idx: int, pack_device: str, tokens: List[int], capaci
     loaded = ck.load_experts(layer_idx, 0, 1, device=pdev, allow_inexact=True)
     sync()
     rec["load_s"] = time.perf_counter() - t0
-    rec["load_host_peak_MiB"] = (_status("VmHWM") - base) / 2 ** 20
+    rec["load_host_peak_MiB"] = (fresh.status_bytes("VmHWM") - base) / 2 ** 20
     qw = loaded.weights.qw
     pack_bytes = sum(getattr(qw, n).numel() * getattr(qw, n).element_size() for n in qw.tensor_fields())
     rec["pack_MiB"] = pack_bytes / 2 ** 20
@@ -134,7 +127,7 @@ def child(path: str, layer_idx: int, pack_device: str, tokens: List[int], capaci
     layer = moe_ep.MoELayer(spec, loaded.weights, backend)
     sync()
     rec["layer_s"] = time.perf_counter() - t0
-    rec["layer_host_peak_MiB"] = (_status("VmHWM") - base) / 2 ** 20
+    rec["layer_host_peak_MiB"] = (fresh.status_bytes("VmHWM") - base) / 2 ** 20
     rec["knobs"] = str(getattr(layer.backend, "knobs", None))
 
     # The kernel's own tensors, read back, against the pack: byte for byte.
@@ -185,16 +178,11 @@ def child(path: str, layer_idx: int, pack_device: str, tokens: List[int], capaci
 
 
 def _run_child(**kw) -> Dict:
-    code = ("import json, sys; from tools.checkpoint.gpu_load import child; "
-            "print('RESULT ' + json.dumps(child(**json.loads(sys.argv[1]))), flush=True)")
     env = {k: v for k, v in os.environ.items() if k not in _GROUP_ENV}  # a group of its own (world size 1)
-    # This interpreter's own path, forwarded as it is (it holds the repository root); run from the root as well.
-    env.update(MOE_EP_DEVICE=kw.get("device", "cuda"), PYTHONPATH=os.pathsep.join([p for p in sys.path if p]))
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(kw)], capture_output=True, text=True, env=env,
-                          timeout=3000, cwd=_REPO)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
+    env["MOE_EP_DEVICE"] = kw.get("device", "cuda")
+    result, proc = fresh.call("tools.checkpoint.gpu_load", "child", kw, env=env, timeout_s=3000)
+    if result is not None:
+        return result
     return dict(error=f"rc {proc.returncode}", stdout=proc.stdout[-3000:], stderr=proc.stderr[-6000:], **kw)
 
 

@@ -14,23 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from tools.checkpoint import fresh
+
 __all__ = ["measure", "run_case", "main"]
-
-_REPO = str(Path(__file__).resolve().parents[2])
-
-
-def _status(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def measure(path: str, layer: int, rank: int = 0, world_size: int = 1, fmt: Optional[str] = None,
@@ -55,7 +47,7 @@ def measure(path: str, layer: int, rank: int = 0, world_size: int = 1, fmt: Opti
     warm = ck.load_experts(layer, 0, plan.num_experts, fmt=fmt, device=pack_device, allow_inexact=True)
     del warm
     gc.collect()
-    base = _status("VmRSS")
+    base = fresh.status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     t0 = time.perf_counter()
@@ -63,7 +55,7 @@ def measure(path: str, layer: int, rank: int = 0, world_size: int = 1, fmt: Opti
     if pack_device != "cpu":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    peak = _status("VmHWM") - base
+    peak = fresh.status_bytes("VmHWM") - base
     w = loaded.weights
     tensors = [getattr(w.qw, n) for n in w.qw.tensor_fields()] if hasattr(w, "qw") else [w.w13, w.w2]
     pack = sum(t.numel() * t.element_size() for t in tensors)
@@ -78,17 +70,12 @@ def measure(path: str, layer: int, rank: int = 0, world_size: int = 1, fmt: Opti
 
 def run_case(path: str, layer: int, **kw) -> Dict:
     """measure() in a fresh Python process (so nothing this process holds counts)."""
-    code = ("import json, sys; from tools.checkpoint.memory import measure; "
-            "print('RESULT ' + json.dumps(measure(**json.loads(sys.argv[1]))))")
-    # This interpreter's own path, forwarded as it is (it holds the repository root); run from the root as well.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([p for p in sys.path if p]))
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(dict(path=path, layer=layer, **kw))],
-                          capture_output=True, text=True, env=env, timeout=1800, cwd=_REPO)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"the measuring process failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                       f"{proc.stderr[-4000:]}")
+    result, proc = fresh.call("tools.checkpoint.memory", "measure", dict(path=path, layer=layer, **kw),
+                              env=dict(os.environ), timeout_s=1800)
+    if result is None:
+        raise RuntimeError(f"the measuring process failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n"
+                           f"{proc.stderr[-4000:]}")
+    return result
 
 
 def table(rows: List[Dict]) -> str:
