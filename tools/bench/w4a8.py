@@ -27,6 +27,7 @@ Writes results.jsonl, summary.json, checks.csv, timing.csv, report.md and timing
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import multiprocessing as mp
@@ -186,6 +187,22 @@ def _frontend(fmt: str, geom: str, capacity: int, device, compile_only: bool = F
     return fe, knobs, source
 
 
+@contextlib.contextmanager
+def _compiled(fmt: str, geom: str, capacity: int, device):
+    """The job's frontend, built (timed; outside the lock, so workers' compiles overlap) and compiled on the device
+    under the lock, which the body keeps; closed afterwards. Yields (frontend, knobs, knob source, compile s)."""
+    fe, knobs, source = _frontend(fmt, geom, capacity, device)
+    try:
+        t0 = time.perf_counter()
+        fe.build_compiled()
+        compile_s = round(time.perf_counter() - t0, 1)
+        with _W["lock"]:
+            fe.compile()
+            yield fe, knobs, source, compile_s
+    finally:
+        fe.close()
+
+
 def _routing(t: int, e: int, k: int, gen, device):
     import torch
 
@@ -234,31 +251,23 @@ def _check(job: Dict[str, Any], device) -> List[Dict[str, Any]]:
             rows.append(dict(T=t, ok=None, kernel=False, reason=reason,
                              rel_l2_vs_fp64=_rel(ref, _fp64_moe(weights, x, idx, w))))
         return rows
-    fe, knobs, source = _frontend(fmt, geom, job["capacity"], device)
-    try:
-        t0 = time.perf_counter()
-        fe.build_compiled()
-        compile_s = time.perf_counter() - t0
-        with _W["lock"]:
-            fe.compile()
-            qw = fe.weights.canonical()  # read back from the kernel's tensors
-            w13, w2 = qw.dequantize()
-            weight_err = max(_rel(w13, weights.w13), _rel(w2, weights.w2))
-            for t in job["tokens"]:
-                x = torch.randn(t, spec.hidden_size, generator=gen).to(torch.bfloat16).to(device)
-                idx, w = _routing(t, spec.num_experts, spec.top_k, gen, device)
-                out = torch.full((t, spec.hidden_size), float("nan"), dtype=torch.bfloat16, device=device)
-                fe.forward(x, idx, w, out)
-                torch.cuda.synchronize(device)
-                ref = oracle_forward(qw, fe.staged_activation(t), idx, w, gate_up_clamp=spec.gate_up_clamp)
-                ok, problems, row, max_abs, rel_l2, nans = compare(out, ref, fmt, tol)
-                rows.append(dict(T=t, ok=bool(ok and nans == 0), kernel=True, tol=tol, max_row_rel=row,
-                                 rel_l2=rel_l2, max_abs=max_abs, nan=nans, problems=problems,
-                                 rel_l2_vs_fp64=_rel(out, _fp64_moe(weights, x, idx, w)),
-                                 weight_rel_err=weight_err, knobs=knobs.to_json(), knob_source=source,
-                                 compile_s=round(compile_s, 1)))
-    finally:
-        fe.close()
+    with _compiled(fmt, geom, job["capacity"], device) as (fe, knobs, source, compile_s):
+        qw = fe.weights.canonical()  # read back from the kernel's tensors
+        w13, w2 = qw.dequantize()
+        weight_err = max(_rel(w13, weights.w13), _rel(w2, weights.w2))
+        for t in job["tokens"]:
+            x = torch.randn(t, spec.hidden_size, generator=gen).to(torch.bfloat16).to(device)
+            idx, w = _routing(t, spec.num_experts, spec.top_k, gen, device)
+            out = torch.full((t, spec.hidden_size), float("nan"), dtype=torch.bfloat16, device=device)
+            fe.forward(x, idx, w, out)
+            torch.cuda.synchronize(device)
+            ref = oracle_forward(qw, fe.staged_activation(t), idx, w, gate_up_clamp=spec.gate_up_clamp)
+            ok, problems, row, max_abs, rel_l2, nans = compare(out, ref, fmt, tol)
+            rows.append(dict(T=t, ok=bool(ok and nans == 0), kernel=True, tol=tol, max_row_rel=row,
+                             rel_l2=rel_l2, max_abs=max_abs, nan=nans, problems=problems,
+                             rel_l2_vs_fp64=_rel(out, _fp64_moe(weights, x, idx, w)),
+                             weight_rel_err=weight_err, knobs=knobs.to_json(), knob_source=source,
+                             compile_s=compile_s))
     return rows
 
 
@@ -272,35 +281,27 @@ def _time(job: Dict[str, Any], device) -> List[Dict[str, Any]]:
     reason = _unavailable(fmt)
     if reason is not None:
         return [dict(T=t, us=None, reason=reason) for t in job["tokens"]]
-    fe, knobs, source = _frontend(fmt, job["geom"], job["capacity"], device)
     rows = []
-    try:
-        t0 = time.perf_counter()
-        fe.build_compiled()
-        compile_s = time.perf_counter() - t0
-        with _W["lock"]:
-            fe.compile()
-            for t in job["tokens"]:
-                x, idx, w, out = synthetic_inputs(fe.spec, t, device, seed=t)
-                graph = capture_graph(lambda: fe.forward(x, idx, w, out), warmup=2, device=device)
-                for _ in range(5):
+    with _compiled(fmt, job["geom"], job["capacity"], device) as (fe, knobs, source, compile_s):
+        for t in job["tokens"]:
+            x, idx, w, out = synthetic_inputs(fe.spec, t, device, seed=t)
+            graph = capture_graph(lambda: fe.forward(x, idx, w, out), warmup=2, device=device)
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize(device)
+            per = []
+            for _ in range(BATCHES):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(REPLAYS):
                     graph.replay()
-                torch.cuda.synchronize(device)
-                per = []
-                for _ in range(BATCHES):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    for _ in range(REPLAYS):
-                        graph.replay()
-                    b.record()
-                    b.synchronize()
-                    per.append(a.elapsed_time(b) * 1e3 / REPLAYS)
-                del graph
-                rows.append(dict(T=t, us=statistics.median(per), best_us=min(per), batches_us=per,
-                                 knobs=knobs.to_json(), knob_source=source, compile_s=round(compile_s, 1),
-                                 staging=getattr(fe, "staging", "torch")))
-    finally:
-        fe.close()
+                b.record()
+                b.synchronize()
+                per.append(a.elapsed_time(b) * 1e3 / REPLAYS)
+            del graph
+            rows.append(dict(T=t, us=statistics.median(per), best_us=min(per), batches_us=per,
+                             knobs=knobs.to_json(), knob_source=source, compile_s=compile_s,
+                             staging=getattr(fe, "staging", "torch")))
     return rows
 
 
