@@ -136,16 +136,20 @@ def _checked(layer, weights, hidden, idx, w):
     return out, {"ok": report.ok, "summary": report.summary(), "err": report.mine(layer.ctx.rank).max_row_rel_err}
 
 
+def _start():
+    """What every case starts from: this rank's group, slots per rank and in all, the spec, the logical weights and
+    the initial map."""
+    ctx = init_from_env()
+    s_local = slots_per_rank(ctx.world_size)
+    return (ctx, s_local, s_local * ctx.world_size, moe_ep.MoESpec(H, I, E, K, CAPACITY), *logical_weights(),
+            initial_map(ctx.world_size))
+
+
 def scenario(backend: str = "torch_reference", fmt: str = "bf16"):
     """Logical ids through a map, physical ids, the replica rule, counters, swaps (copied from holders, from bf16,
     from quantized weights), a weight update on one replica (the oracle must object) and on all of them."""
-    ctx = init_from_env()
+    ctx, s_local, num_slots, spec, w13, w2, emap = _start()
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
-    s_local = slots_per_rank(world)
-    num_slots = s_local * world
-    spec = moe_ep.MoESpec(H, I, E, K, CAPACITY)
-    w13, w2 = logical_weights()
-    emap = initial_map(world)
     rec = {"rank": rank, "world": world, "num_slots": num_slots}
     tokens = [37, 5, 48, 0][rank % 4]
     hidden, idx, w = inputs(rank, tokens, seed=1, device=dev)
@@ -245,13 +249,8 @@ def refusals(backend: str = "torch_reference", fmt: str = "bf16", bad_rank: int 
     """Each bad call on one rank: that rank gets its typed error, the others a PeerValidationError naming it (or, for
     maps that differ between ranks, every rank the same ExpertMapError); the layer's bytes and map are unchanged, and
     it serves a checked forward afterwards."""
-    ctx = init_from_env()
+    ctx, s_local, num_slots, spec, w13, w2, emap = _start()
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
-    s_local = slots_per_rank(world)
-    num_slots = s_local * world
-    spec = moe_ep.MoESpec(H, I, E, K, CAPACITY)
-    w13, w2 = logical_weights()
-    emap = initial_map(world)
     # Every call checked and agreed (not the default schedule's first call only): each refusal below is a later call.
     checks = dict(check_values=True, collective_checks=True)
     layer, weights = _layer(spec, emap, w13, w2, ctx, backend, fmt, **checks)
