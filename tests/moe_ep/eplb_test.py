@@ -7,7 +7,7 @@ import torch
 import moe_ep
 from moe_ep.eplb import SlotRouter
 from moe_ep.reference.oracle import check_multirank, compare
-from tests.support.dist import one_rank_gloo_group
+from tests.support.dist import group_fixture  # noqa: F401 (the `group` fixture)
 
 H, I, E, K, C = 256, 128, 4, 2, 16
 
@@ -136,12 +136,6 @@ def test_a_new_map_is_written_where_the_old_one_was():
 
 
 # -- the layer in one process ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def group():
-    with one_rank_gloo_group():
-        yield
-
-
 def _weights(seed=0, e=E):
     g = torch.Generator().manual_seed(seed)
     return ((torch.randn(e, 2 * I, H, generator=g) / 16).bfloat16(),

@@ -11,21 +11,13 @@ import torch
 import moe_ep
 from moe_ep.core import layer as layer_mod
 from moe_ep.reference.oracle import compare, oracle_forward
-from tests.support.dist import one_rank_gloo_group
+from tests.support.dist import group_fixture, one_rank_weights  # noqa: F401 (the `group` fixture)
 
 H, I, E, K, C = 128, 128, 8, 2, 8
 
 
-@pytest.fixture(scope="module")
-def group():
-    with one_rank_gloo_group():
-        yield
-
-
 def _weights():
-    g = torch.Generator().manual_seed(0)
-    return moe_ep.ExpertWeights((torch.randn(E, 2 * I, H, generator=g) / 12).bfloat16(),
-                                (torch.randn(E, H, I, generator=g) / 12).bfloat16(), 0, 1, E)
+    return one_rank_weights(E, H, I, 12)
 
 
 def _inputs(t, seed=None, dtype=torch.float32):

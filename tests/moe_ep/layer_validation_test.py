@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moe_ep
-from tests.support.dist import one_rank_gloo_group
+from tests.support.dist import group_fixture  # noqa: F401 (the `group` fixture)
 
 H, I, E, K, C = 128, 128, 4, 2, 16
 
@@ -24,12 +24,6 @@ def test_uninitialised_process_group_is_a_typed_error():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "ARG group True" in res.stdout, res.stdout + res.stderr
-
-
-@pytest.fixture(scope="module")
-def group():
-    with one_rank_gloo_group():
-        yield
 
 
 def _weights(**kw):

@@ -8,22 +8,14 @@ import pytest
 import torch
 
 import moe_ep
-from tests.support.dist import one_rank_gloo_group
+from tests.support.dist import group_fixture, one_rank_weights  # noqa: F401 (the `group` fixture)
 
 H, I, E, K, C = 128, 128, 4, 2, 16
 QUANTIZED_IN = hasattr(moe_ep.ExpertWeights, "from_quantized")  # the pre-quantized weights path (#23)
 
 
-@pytest.fixture(scope="module")
-def group():
-    with one_rank_gloo_group():
-        yield
-
-
 def _weights(seed):
-    g = torch.Generator().manual_seed(seed)
-    return moe_ep.ExpertWeights((torch.randn(E, 2 * I, H, generator=g) / 12).bfloat16(),
-                                (torch.randn(E, H, I, generator=g) / 12).bfloat16(), 0, 1, E)
+    return one_rank_weights(E, H, I, 12, seed)
 
 
 def _inputs(t=6):

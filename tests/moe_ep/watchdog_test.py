@@ -13,7 +13,7 @@ import torch
 import moe_ep
 from moe_ep.core import watchdog as wd
 from moe_ep.core.watchdog import events, monitor, ring
-from tests.support.dist import one_rank_gloo_group
+from tests.support.dist import group_fixture, one_rank_weights  # noqa: F401 (the `group` fixture)
 
 
 # -- the package -----------------------------------------------------------------------------------------------
@@ -292,16 +292,8 @@ def test_the_message_says_everything_once():
 H, I, E, K, C = 128, 128, 4, 2, 8
 
 
-@pytest.fixture(scope="module")
-def group():
-    with one_rank_gloo_group():
-        yield
-
-
 def _weights():
-    g = torch.Generator().manual_seed(0)
-    return moe_ep.ExpertWeights((torch.randn(E, 2 * I, H, generator=g) / 10).to(torch.bfloat16),
-                                (torch.randn(E, H, I, generator=g) / 10).to(torch.bfloat16), 0, 1, E)
+    return one_rank_weights(E, H, I, 10)
 
 
 def _inputs(t=5):

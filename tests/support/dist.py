@@ -1,10 +1,14 @@
 """A one-rank gloo process group for the CPU tests that build a layer in their own process (a file store in a
-temporary directory, so parallel test targets never meet on a port)."""
+temporary directory, so parallel test targets never meet on a port), as a context and as a module-scoped fixture
+named `group` (`from tests.support.dist import group_fixture  # noqa: F401`); random bf16 experts for such a
+layer."""
 import contextlib
 import datetime
 import tempfile
 
-__all__ = ["one_rank_gloo_group"]
+import pytest
+
+__all__ = ["group_fixture", "one_rank_gloo_group", "one_rank_weights"]
 
 
 @contextlib.contextmanager
@@ -20,3 +24,22 @@ def one_rank_gloo_group(timeout_s: float = 60.0):
             yield
         finally:
             dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", name="group")
+def group_fixture():
+    """`group`: the one-rank group for a test module's layers (imported under this name, so that the tests' `group`
+    argument shadows no import)."""
+    with one_rank_gloo_group():
+        yield
+
+
+def one_rank_weights(e: int, h: int, i: int, scale: float, seed: int = 0):
+    """All e experts on rank 0 of a world of one: w13 [e, 2i, h] and w2 [e, h, i], standard normal / scale, bf16."""
+    import torch
+
+    import moe_ep
+
+    g = torch.Generator().manual_seed(seed)
+    return moe_ep.ExpertWeights((torch.randn(e, 2 * i, h, generator=g) / scale).to(torch.bfloat16),
+                                (torch.randn(e, h, i, generator=g) / scale).to(torch.bfloat16), 0, 1, e)
