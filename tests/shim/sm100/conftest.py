@@ -11,15 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
 
-
-@pytest.fixture(scope="session")
-def sm100_tree():
-    from shim.common import tree
-
-    try:
-        return tree.activate("sm100")
-    except tree.TreeNotFoundError as e:
-        pytest.fail(str(e), pytrace=False)
+from tests.support.trees import sm100_tree_fixture  # noqa: E402,F401 (the `sm100_tree` fixture)
 
 
 @pytest.fixture(scope="session")
