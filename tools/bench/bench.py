@@ -380,6 +380,18 @@ SERIES = (("moe_ep_graph_us", "moe_ep (graph, resolved knobs)", "-"), ("heuristi
 RATIOS = (("tuned_vs_heuristic", "resolved knobs / heuristic"), ("moe_ep_vs_flashinfer", "moe_ep / FlashInfer"))
 
 
+def tokens_axes(ax, ylabel: str, *, log_y: bool = False) -> None:
+    """The benchmarks' plot axes: tokens per rank on a log2 x axis, a grid, a small legend (of what is drawn so
+    far: call it last)."""
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot(rows: List[dict], out: str, title: str = "") -> None:
     """bench.png: per geometry, times against T (left) and the side-by-side ratios (right, 1.0 = parity)."""
     try:
@@ -406,26 +418,17 @@ def plot(rows: List[dict], out: str, title: str = "") -> None:
             ys = [num(r.get(key)) for r in rs]
             if any(y == y for y in ys):
                 ax.plot(ts, ys, marker="o", label=label, linestyle=style)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens per rank")
-        ax.set_ylabel("microseconds")
+        tokens_axes(ax, "microseconds", log_y=True)
         r0 = rs[0]
         ax.set_title(f"{gname}: H={r0['hidden']} I={r0['intermediate']} E={r0['experts']} K={r0['top_k']}, "
                      f"world size {r0['world_size']}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
         for key, label in RATIOS:
             ys = [num(r.get(key)) for r in rs]
             if any(y == y for y in ys):
                 rax.plot(ts, ys, marker="o", label=label)
         rax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-        rax.set_xscale("log", base=2)
-        rax.set_xlabel("tokens per rank")
-        rax.set_ylabel("time ratio (< 1: moe_ep's resolved knobs are faster)")
+        tokens_axes(rax, "time ratio (< 1: moe_ep's resolved knobs are faster)")
         rax.set_title("side by side, same run")
-        rax.grid(True, which="both", alpha=0.3)
-        rax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "bench.png"), dpi=110)

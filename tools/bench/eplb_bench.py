@@ -255,6 +255,8 @@ def plot(rows: List[dict], out: str, title: str) -> Optional[str]:
     except ImportError as ex:
         print(f"no plot: {ex}")
         return None
+    from tools.bench.bench import tokens_axes
+
     ts = [r["T"] for r in rows]
     fig, (ax, rax) = plt.subplots(1, 2, figsize=(13, 4.8))
     for key, label in (("plain_us", "no slots (today's placement)"), ("before_us", "slots, hot expert on one rank"),
@@ -262,22 +264,13 @@ def plot(rows: List[dict], out: str, title: str) -> Optional[str]:
         ys = [r.get(key, float("nan")) for r in rows]
         if any(y == y for y in ys):
             ax.plot(ts, ys, marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("layer time, slowest rank (us)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    tokens_axes(ax, "layer time, slowest rank (us)", log_y=True)
     rax.plot(ts, [r["after_vs_before"] for r in rows], marker="o", label="time after / before")
     rax.plot(ts, [r["max_rank_share_after"] / r["max_rank_share_before"] for r in rows], marker="x", linestyle="--",
              label="busiest rank's pairs after / before")
     rax.axhline(0.75, color="gray", linestyle=":", linewidth=1, label="target 0.75")
     rax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    rax.set_xscale("log", base=2)
-    rax.set_xlabel("tokens per rank")
-    rax.set_ylabel("ratio")
-    rax.grid(True, which="both", alpha=0.3)
-    rax.legend(fontsize=8)
+    tokens_axes(rax, "ratio")
     fig.suptitle(title)
     fig.tight_layout()
     path = os.path.join(out, "eplb.png")
