@@ -161,22 +161,28 @@ def rank_main(args) -> int:
               "device": str(ctx.device), "calls": n, "warmup": warmup, "loop_s": loop_s, "build_s": build_s,
               "watched_calls": watch.started if watch else 0, "finite": bool(torch.isfinite(out.float()).all())}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
-    # Wait for every rank through the store; a rank that died (the store's host included) ends the wait.
-    from torch.distributed.distributed_c10d import _get_default_store
-    import datetime
-
-    store = _get_default_store()
-    try:
-        store.set(f"watchdog_demo/done/{rank}", "1")
-        store.wait([f"watchdog_demo/done/{r}" for r in range(world)], datetime.timedelta(seconds=120))
-    except Exception as e:  # noqa: BLE001 - a peer is gone: say so and leave without any collective
-        print(f"rank {rank}: a peer is gone after the loop ({type(e).__name__}: {str(e)[:160]})", flush=True)
-        sys.stdout.flush()
-        os._exit(3)
+    wait_for_peers("watchdog_demo", rank, world)
     layer.close()
     dist.destroy_process_group()
     print(f"rank {rank}: done", flush=True)
     return 0
+
+
+def wait_for_peers(prefix: str, rank: int, world: int) -> None:
+    """Wait for every rank through the store (keys prefix/done/<rank>), not a collective: a rank that died (the
+    store's host included) ends the wait, and this rank says so and leaves (exit 3)."""
+    import datetime
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    try:
+        store.set(f"{prefix}/done/{rank}", "1")
+        store.wait([f"{prefix}/done/{r}" for r in range(world)], datetime.timedelta(seconds=120))
+    except Exception as e:  # noqa: BLE001 - a peer is gone: say so and leave without any collective
+        print(f"rank {rank}: a peer is gone after the loop ({type(e).__name__}: {str(e)[:160]})", flush=True)
+        sys.stdout.flush()
+        os._exit(3)
 
 
 def _bound_from_env() -> float:

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Run as a file by launch() below, this still imports tools.diag: tools.launch's rank environment puts the
 # repository root on PYTHONPATH (no sys.path edit here: the layering check refuses those outside shim/).
-from tools.diag.watchdog_demo import GEOMETRY, MESSAGE_RE, _read_json  # noqa: E402
+from tools.diag.watchdog_demo import GEOMETRY, MESSAGE_RE, _read_json, wait_for_peers  # noqa: E402
 
 DIVERGE = ("skip", "wrong", "extra")
 GRACE_S = 4.0  # after a loop the watchdog did not stop: beats enough to publish, compare and report
@@ -206,28 +206,13 @@ def rank_main(args) -> int:
             # wrong one): the watchdog compares the last calls within a few beats, with the layers open.
             time.sleep(GRACE_S)
             # Then wait for the peers through the store, as the demo does; a peer gone ends the wait.
-            _wait_for_peers(rank, world, case)
+            wait_for_peers(f"watchdog_diverge/{case}", rank, world)
         for layer in layers:
             layer.close()
         dist.barrier()
     print(f"rank {rank}: done", flush=True)
     dist.destroy_process_group()
     return 0
-
-
-def _wait_for_peers(rank: int, world: int, case: str) -> None:
-    import datetime
-
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
-    try:
-        store.set(f"watchdog_diverge/{case}/done/{rank}", "1")
-        store.wait([f"watchdog_diverge/{case}/done/{r}" for r in range(world)], datetime.timedelta(seconds=120))
-    except Exception as e:  # noqa: BLE001 - a peer is gone: say so and leave without any collective
-        print(f"rank {rank}: a peer is gone after the loop ({type(e).__name__}: {str(e)[:160]})", flush=True)
-        sys.stdout.flush()
-        os._exit(3)
 
 
 def _rank_cases(args) -> List[str]:
