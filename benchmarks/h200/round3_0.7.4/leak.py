@@ -1,6 +1,6 @@
 # Which object keeps a closed GPU layer alive? Builds the suite's DSV3 FP8 layer, calls it, closes it, and
 # reports what still refers to the layer / backend / frontend, and the device memory before and after.
-import gc, weakref, sys, torch, moe_ep
+import gc, weakref, torch, moe_ep
 torch.cuda.set_device(0)
 ctx = moe_ep.init_from_env()
 def free(): torch.cuda.synchronize(); gc.collect(); torch.cuda.empty_cache(); return torch.cuda.mem_get_info()[0] / 2**20
