@@ -16,7 +16,7 @@ os.environ.setdefault("MOE_EP_DEVICE", "cuda")
 
 import moe_ep  # noqa: E402
 from moe_ep.core.graphs import capture_graph  # noqa: E402
-from moe_ep.reference.oracle import OUTPUT_TOLERANCE, compare, gather_quantized_weights, oracle_forward  # noqa: E402
+from moe_ep.reference.oracle import compare, gather_quantized_weights, kernel_row_tolerance, oracle_forward  # noqa: E402
 from tests.support.gpu import case_log, dist_ctx, shared_seed  # noqa: E402,F401 (pytest fixtures)
 
 C = 64
@@ -50,7 +50,7 @@ def _inputs(layer, seed):
 
 def _check(layer, x, idx, w, out):
     ref = oracle_forward(gather_quantized_weights(layer.ctx, layer.oracle_weights()), x, idx, w)
-    tol = max(OUTPUT_TOLERANCE["fp8_block"], 0.75 / I ** 0.5) if layer.fmt == "fp8_block" else None
+    tol = kernel_row_tolerance(layer.fmt, I) if layer.fmt == "fp8_block" else None
     ok, problems, row, *_ = compare(out, ref, layer.fmt, tol)
     return ok, problems, row
 
