@@ -122,7 +122,8 @@ def generate(repo: Path) -> str:
         "|---|---|---|---|",
     ]
     for n, (title, shown, code, out, err, changed) in enumerate(runs, 1):
-        what = ", ".join(f"`{c}`" for c in changed) or "nothing"
+        # Paths in the sandbox checkout, not in this one (an audit report the sandbox wrote is not committed here).
+        what = ", ".join(f"`<checkout>/{c}`" for c in changed) or "nothing"
         lines.append(f"| {n} | `bazel run //tools:drop -- {shown}` | {code} | {what} |")
     lines.append("")
     for n, (title, shown, code, out, err, changed) in enumerate(runs, 1):
