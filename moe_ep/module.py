@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from moe_ep.core.errors import DeviceError, DTypeError, FormatError, ShapeError, WeightsRankError
+from moe_ep.core.errors import DeviceError, DTypeError, ShapeError, WeightsRankError
 from moe_ep.core.layer import MoELayer
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
@@ -93,14 +93,7 @@ class MoEModule(torch.nn.Module):
         """Collective: a new layer, with this one's arguments, from the pack (its bytes as they are)."""
         old = self._layer
         ctx, spec = old.ctx, old.spec
-        from_quantized = getattr(ExpertWeights, "from_quantized", None)
-        if from_quantized is not None:
-            weights = from_quantized(qw, ctx.rank, ctx.world_size, spec.num_experts)
-        elif qw.fmt == "bf16":
-            weights = ExpertWeights(qw.w13_q, qw.w2_q, ctx.rank, ctx.world_size, spec.num_experts)
-        else:
-            raise FormatError("fmt", f"loading {qw.fmt!r} codes and scales needs the pre-quantized weights path "
-                                     f"(ExpertWeights.from_quantized); this build has none")
+        weights = ExpertWeights.from_quantized(qw, ctx.rank, ctx.world_size, spec.num_experts)
         old.close()
         self._layer = MoELayer(spec, weights, **self._options)
 

@@ -11,7 +11,6 @@ import moe_ep
 from tests.support.dist import group_fixture, one_rank_weights  # noqa: F401 (the `group` fixture)
 
 H, I, E, K, C = 128, 128, 4, 2, 16
-QUANTIZED_IN = hasattr(moe_ep.ExpertWeights, "from_quantized")  # the pre-quantized weights path (#23)
 
 
 def _weights(seed):
@@ -46,8 +45,7 @@ def test_state_dict_carries_the_quantized_experts(group, fmt):
             assert sd["experts.w13_q"].dtype == torch.float8_e4m3fn and "experts.w13_scale" in sd
 
 
-@pytest.mark.parametrize("fmt", ["bf16", pytest.param("fp8_block", marks=pytest.mark.skipif(
-    not QUANTIZED_IN, reason="loading fp8 codes needs the pre-quantized weights path (#23)"))])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block"])
 def test_load_state_dict_reproduces_the_other_modules_outputs(group, fmt):
     spec = moe_ep.MoESpec(H, I, E, K, C)
     with moe_ep.MoEModule(spec, _weights(0), fmt=fmt) as a, moe_ep.MoEModule(spec, _weights(1), fmt=fmt) as b:
