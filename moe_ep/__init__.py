@@ -11,27 +11,26 @@ backend that runs anywhere (and serves as the oracle).
 Importing this package never imports a kernel tree: kernel backends load when a layer asks for them.
 """
 
-from moe_ep.core.dist import RankContext, init_from_env
-from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, CalibrationError, CapacityError,
-                                DeviceError, DTypeError, ExpertIndexError, FormatError, InputError, MoEError,
-                                NonContiguousError, OracleMismatchError, PeerValidationError, ProcessGroupError,
-                                ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
-                                KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError,
-                                LayerClosedError, RegistrationError, RankDivergenceError, PeerLostError,
-                                DeviceUnavailableError, CheckConfigError,
-                                IntegrationError, ExpertMapError, LoadCountsError, CheckpointError,
-                                InexactCheckpointError)
 from moe_ep.core.backend import Backend
+from moe_ep.core.dist import RankContext, init_from_env
 from moe_ep.core.graphs import capture_graph
-from moe_ep.core.layer import MoELayer
-from moe_ep.module import MoEModule
 from moe_ep.core.registry import (BackendInfo, detect_arch, list_backends, register_backend, select_backend,
                                   unregister_backend)
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.watchdog import WATCHDOG_EXIT_CODE, watch
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.eplb import ExpertMap
+from moe_ep.errors import (BackendNotFoundError, BackendUnavailableError, CalibrationError, CapacityError, DeviceError,
+                           DTypeError, ExpertIndexError, FormatError, InputError, MoEError, NonContiguousError,
+                           OracleMismatchError, PeerValidationError, ProcessGroupError, ShapeError, SpecError,
+                           TopKMismatchError, TuningError, WeightsRankError, WorldSizeError, KnobError,
+                           ProcessGroupEnvError, WorkspaceError, WatchdogConfigError, LayerClosedError,
+                           RegistrationError, RankDivergenceError, PeerLostError, DeviceUnavailableError,
+                           CheckConfigError, IntegrationError, ExpertMapError, LoadCountsError, CheckpointError,
+                           InexactCheckpointError)
 from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights
+from moe_ep.layer import MoELayer
+from moe_ep.module import MoEModule
 
 __all__ = [
     "MoESpec", "ExpertWeights", "QuantizedExpertWeights", "QuantizedWeights", "QuantizedActivation", "MoELayer", "MoEModule", "Backend", "RankContext", "init_from_env",

@@ -27,7 +27,7 @@ import torch
 
 from moe_ep.checkpoint.report import ExactnessReport
 from moe_ep.checkpoint.tensors import expect, expect_scales, new_pack
-from moe_ep.core.errors import CheckpointError
+from moe_ep.errors import CheckpointError
 from moe_ep.formats import FORMATS, QuantizedWeights, codecs
 from moe_ep.formats.codecs import E2M1_VALUES, e2m1_decode, to_e4m3
 

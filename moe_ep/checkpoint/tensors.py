@@ -6,8 +6,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from moe_ep.core.errors import CheckpointError
 from moe_ep.core.weights import pack_rules
+from moe_ep.errors import CheckpointError
 from moe_ep.formats import QuantizedWeights
 
 __all__ = ["expect", "expect_scales", "new_pack"]

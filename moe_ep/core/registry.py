@@ -16,8 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
-from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, FormatError, MoEError,
-                                RegistrationError)
+from moe_ep.errors import (BackendNotFoundError, BackendUnavailableError, FormatError, MoEError, RegistrationError)
 from moe_ep.formats import check_format
 
 __all__ = ["BackendEntry", "BackendInfo", "register_backend", "unregister_backend", "get_entry", "resolve_backend",

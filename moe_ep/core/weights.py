@@ -15,8 +15,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from moe_ep.core.errors import (CalibrationError, DeviceError, DTypeError, FormatError, ShapeError, WeightsRankError,
-                                WorldSizeError)
+from moe_ep.errors import (CalibrationError, DeviceError, DTypeError, FormatError, ShapeError, WeightsRankError,
+                           WorldSizeError)
 from moe_ep.formats import QuantizedWeights, codecs, format_violations
 
 __all__ = ["ExpertWeights", "QuantizedExpertWeights", "owner_rank"]

@@ -1,5 +1,5 @@
 """The quantization-format contract: the format table (table), the element and block codecs (codecs), and the
-weight / activation packs with their quantizers (packs). A leaf package: it imports only moe_ep.core.errors,
+weight / activation packs with their quantizers (packs). A leaf package: it imports only moe_ep.errors,
 and both the shim (staging, weight packing) and the reference (oracle) build on it."""
 
 from moe_ep.formats.packs import (QuantizedActivation, QuantizedWeights, dequantize_input, dequantize_weights,

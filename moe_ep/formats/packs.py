@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_ep.core.errors import CalibrationError
+from moe_ep.errors import CalibrationError
 from moe_ep.formats.codecs import (FP8_ACT_BLOCK_K, FP8_WEIGHT_BLOCK, fp8_dequantize_blocks_nk, fp8_dequantize_rows,
                                    fp8_quantize_blocks_nk, fp8_quantize_per_expert, fp8_quantize_rows,
                                    fp8_quantize_static, fp8_quantize_w13_blocks, fp8_tensor_scale_from_amax,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from moe_ep.core.errors import FormatError
+from moe_ep.errors import FormatError
 
 __all__ = ["FORMATS", "FormatInfo", "format_info", "check_format", "format_violations"]
 

@@ -36,9 +36,9 @@ from typing import Dict, List, Optional
 import torch
 
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import IntegrationError
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.errors import IntegrationError
 from moe_ep.module import MoEModule
 
 __all__ = ["IMPLEMENTATION", "swap_experts", "experts_modules", "close"]

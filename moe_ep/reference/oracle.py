@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from moe_ep.core.dist import RankContext, all_gather_tensor
-from moe_ep.core.errors import OracleMismatchError
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
+from moe_ep.errors import OracleMismatchError
 from moe_ep.formats import QuantizedActivation, QuantizedWeights, packs
 from moe_ep.reference import ffn
 

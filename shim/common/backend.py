@@ -25,9 +25,9 @@ from typing import ClassVar, Dict, List, Optional, Tuple
 import torch
 
 from moe_ep.core.backend import Backend
-from moe_ep.core.errors import BackendUnavailableError
 from moe_ep.core.spec import LayerGeometry
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.errors import BackendUnavailableError
 from moe_ep.formats import QuantizedActivation, QuantizedWeights
 from shim.common.formats import FormatTable, KernelFormat
 from shim.common.knob_cache import KnobCache, cache_key
@@ -220,7 +220,7 @@ def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=Non
     (check_compile_target); knobs resolve as explicit > heuristic (the user's knob cache is not read, so a compile
     check does not depend on the machine it runs on)."""
     from moe_ep.core.dist import RankContext
-    from moe_ep.core.errors import SpecError
+    from moe_ep.errors import SpecError
     from moe_ep.core.registry import resolve_backend
 
     cls = resolve_backend(backend) if isinstance(backend, str) else backend

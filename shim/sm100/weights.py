@@ -30,8 +30,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_ep.core.errors import FormatError
 from moe_ep.core.weights import QuantizedExpertWeights
+from moe_ep.errors import FormatError
 from moe_ep.formats import QuantizedWeights, codecs, packs
 
 __all__ = ["GATE_UP_INTERLEAVE", "SCALE_BLOCK", "SF_ATOM_ROWS", "SF_ATOM_COLS", "Sm100KernelWeights",

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
-from moe_ep.core.errors import FormatError
 from moe_ep.core.weights import QuantizedExpertWeights
+from moe_ep.errors import FormatError
 from moe_ep.formats import QuantizedWeights, codecs, quantize_weights
 from shim.sm90 import fp4_layout
 

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from moe_ep.core.errors import FormatError
 from moe_ep.core.weights import QuantizedExpertWeights
+from moe_ep.errors import FormatError
 from moe_ep.formats import QuantizedWeights, codecs, quantize_weights
 
 __all__ = ["GATE_UP_INTERLEAVE", "Sm90KernelWeights", "prepare", "prepare_weights", "prepare_quantized",

@@ -125,12 +125,12 @@ def test_every_path_a_page_names_exists(page):
 def test_the_scan_finds_what_it_should(tmp_path):
     """The rules on a page of their own: a gone file is reported, placeholders and anchors are not."""
     page = tmp_path / "page.md"
-    page.write_text("See `moe_ep/core/layer.py:12`, `shim/<arch>/formats.py`, `shim/sm90/{fp8,bf16}_frontend.py`,\n"
+    page.write_text("See `moe_ep/layer.py:12`, `shim/<arch>/formats.py`, `shim/sm90/{fp8,bf16}_frontend.py`,\n"
                     "`tools/diag/no_such_tool.py` and `python -m tools.main`, [the shim](docs/shim.md#shape).\n"
                     "`docs/drop/audit-sm90-OLD-to-NEW.md` but not `docs/drop/audit-sm90-OLD-from-NEW.md`\n"
                     "```\nshim/sm100/tables/    a folder that is not there\n```\n")
     found = [(p, _exists(p, page.parent)) for _, p, _ in _mentions(page)]
-    assert found == [("moe_ep/core/layer.py", True), ("shim/<arch>/formats.py", True),
+    assert found == [("moe_ep/layer.py", True), ("shim/<arch>/formats.py", True),
                      ("shim/sm90/{fp8,bf16}_frontend.py", True), ("docs/shim.md", True),
                      ("tools/diag/no_such_tool.py", False), ("docs/drop/audit-sm90-OLD-to-NEW.md", True),
                      ("docs/drop/audit-sm90-OLD-from-NEW.md", False), ("shim/sm100/tables/", False)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moe_ep
-from moe_ep.core import layer as layer_mod
+from moe_ep import layer as layer_mod
 from moe_ep.reference.oracle import compare, oracle_forward
 from tests.support.dist import group_fixture, one_rank_weights  # noqa: F401 (the `group` fixture)
 

@@ -154,8 +154,8 @@ def test_availability_follows_the_trees_contents(tmp_path):
         spec = moe_ep.MoESpec(hidden_size=128, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=8)
         w = moe_ep.ExpertWeights(torch.zeros(4, 256, 128, dtype=torch.bfloat16),
                                  torch.zeros(4, 128, 128, dtype=torch.bfloat16), rank=0, world_size=1, num_experts=4)
-        import moe_ep.core.layer
-        moe_ep.core.layer.require_arch = lambda *a, **k: None  # as on a Hopper host: the layer's arch guard passes
+        import moe_ep.layer
+        moe_ep.layer.require_arch = lambda *a, **k: None  # as on a Hopper host: the layer's arch guard passes
         with one_rank_gloo_group():
             try:
                 moe_ep.MoELayer(spec, w, backend="sm90_bf16_cutedsl")

@@ -7,7 +7,7 @@ import torch
 
 import moe_ep
 from moe_ep.checkpoint import convert_fp4, convert_fp8
-from moe_ep.core.errors import FormatError
+from moe_ep.errors import FormatError
 from moe_ep.formats import codecs
 from tests.moe_ep.checkpoint import synth
 from tests.shim.sm100.helpers import same_bytes

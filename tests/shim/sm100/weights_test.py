@@ -161,7 +161,7 @@ def test_nvfp4_epilogue_scalars_are_the_oracles_alphas():
 
 
 def test_nvfp4_needs_calibration():
-    from moe_ep.core.errors import CalibrationError
+    from moe_ep.errors import CalibrationError
     from shim.sm100 import weights
 
     w13, w2 = canonical_weights()

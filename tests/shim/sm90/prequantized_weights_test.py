@@ -7,7 +7,7 @@ import torch
 
 import moe_ep
 from moe_ep.checkpoint import convert_bf16, convert_fp4, convert_fp8
-from moe_ep.core.errors import FormatError
+from moe_ep.errors import FormatError
 from shim.sm90 import weights
 from tests.moe_ep.checkpoint import synth
 

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from moe_ep.core import op, registry, watchdog
 from moe_ep.core.device import require_arch
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import CapacityError, DTypeError, FormatError, LayerClosedError, SpecError, WatchdogConfigError
 from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.core.validate import (check_expert_ids, check_schedule, checks_mode, validate_forward,
                                   validate_spec_for_backend, validate_weights)
@@ -18,6 +17,7 @@ from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.eplb import ExpertMap, SlotRouter
 from moe_ep.eplb import placement as eplb_placement
 from moe_ep.eplb import swap as eplb_swap
+from moe_ep.errors import CapacityError, DTypeError, FormatError, LayerClosedError, SpecError, WatchdogConfigError
 from moe_ep.formats import QuantizedWeights, check_format
 
 __all__ = ["MoELayer", "AGREED_CALLS", "CHUNKING"]
