@@ -6,9 +6,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from moe_ep.core.weights import pack_rules
 from moe_ep.errors import CheckpointError
-from moe_ep.formats import QuantizedWeights
+from moe_ep.formats import QuantizedWeights, pack_rules
 
 __all__ = ["expect", "expect_scales", "new_pack"]
 
@@ -36,7 +35,7 @@ def expect_scales(t: torch.Tensor, name: str, file: Optional[str] = None, positi
 
 
 def new_pack(fmt: str, e: int, h: int, i: int, device=None, expert_offset: int = 0) -> QuantizedWeights:
-    """An uninitialised pack of `fmt` for e experts (moe_ep.core.weights.pack_rules' dtypes and shapes)."""
+    """An uninitialised pack of `fmt` for e experts (moe_ep.formats.pack_rules' dtypes and shapes)."""
     kw = {name: torch.empty(rule[1], dtype=rule[0], device=device)
           for name, rule in pack_rules(fmt, e, h, i).items() if rule is not None}
     return QuantizedWeights(fmt, expert_offset=expert_offset, **kw)

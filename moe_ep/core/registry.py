@@ -16,8 +16,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
-from moe_ep.errors import (BackendNotFoundError, BackendUnavailableError, FormatError, MoEError, RegistrationError)
-from moe_ep.formats import check_format
+from moe_ep.errors import BackendNotFoundError, BackendUnavailableError, FormatError, MoEError, RegistrationError
+from moe_ep.formats import FORMATS, check_format
 
 __all__ = ["BackendEntry", "BackendInfo", "register_backend", "unregister_backend", "get_entry", "resolve_backend",
            "list_backends", "select_backend", "detect_arch", "KERNEL_TABLES"]
@@ -247,6 +247,5 @@ def select_backend(arch: str, fmt: Optional[str] = None, *, fallback: str = "tor
 
 
 # The torch reference is moe_ep's own; the kernel backends come from the format tables (KERNEL_TABLES).
-_add("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
-     formats=("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4", "w4a8_mxfp4", "w4a8_nvfp4"),
+_add("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu", formats=FORMATS,
      description="exact EP semantics in torch over torch.distributed; the oracle")

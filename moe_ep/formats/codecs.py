@@ -24,7 +24,8 @@ __all__ = [
     "interleave_gate_up", "deinterleave_gate_up", "w13_block_rows", "fp8_quantize_w13_blocks", "fp8_block_mm",
     "fp8_tensor_scale_from_amax", "fp8_quantize_static", "fp8_quantize_per_expert",
     "mxfp8_quantize", "e8m0_to_float", "mxfp8_dequantize",
-    "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_dequantize_raw",
+    "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_quantize_experts",
+    "nvfp4_dequantize_raw",
     "nvfp4_dequantize", "nvfp4_alpha",
     "MXFP4_MAX_SCALE_RANGE", "W4A8_FC2_SAFE_AMAX", "mxfp4_quantize", "mxfp4_dequantize", "mxfp4_limit_scale_range",
     "mxfp4_kernel_operand", "w4a8_nvfp4_kernel_operand",
@@ -274,6 +275,15 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> Tuple[torch.T
     acc = torch.where(sf_rt > 0, acc, torch.zeros_like(acc))
     codes = e2m1_encode((blocked * acc.unsqueeze(-1)).reshape(*lead, k))
     return codes, sf
+
+
+def nvfp4_quantize_experts(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert weights [E, N, K] -> (e2m1 codes, e4m3 scales per 16, global scale [E] = 448 * 6 / amax of each
+    expert): the NVFP4 weight codec."""
+    e = w.shape[0]
+    g = nvfp4_global_scale(w.to(torch.float32).abs().reshape(e, -1).amax(dim=1))
+    q, sf = nvfp4_quantize(w, g.reshape(e, 1, 1))
+    return q, sf, g
 
 
 def nvfp4_dequantize_raw(codes: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,8 @@ def test_import_in_a_fresh_cpu_only_process():
 
 def test_all_is_explicit_and_complete():
     assert len(moe_ep.__all__) == len(set(moe_ep.__all__))
-    submodules = ("core", "eplb", "errors", "formats", "layer", "reference", "testing", "module", "integrations")
+    submodules = ("checkpoint", "core", "eplb", "errors", "formats", "integrations", "layer", "module", "reference",
+                  "testing")
     public = {n for n in vars(moe_ep) if not n.startswith("_") and n not in submodules}
     assert public == set(moe_ep.__all__)
 
