@@ -7,8 +7,8 @@ arch. From a row come:
   * availability: whether the arch's pinned tree holds `kernel_module`, found by looking for the file, without
     importing the kernel or cutlass (`missing_kernel`);
   * the size rules (`size_violations`: H and I multiples, top_k), asked before anything is allocated;
-  * the backend class (shim/<arch>/backend.py generates one per row, named by `target`), its served format, and
-    the frontend it builds (`frontend`, a lazy "module:Class");
+  * what the backend class serves (written out in shim/<arch>/backend.py, `class X(<Arch>Backend, fmt=...)`, and
+    named by `target`): its name, its format, and the frontend it builds (`frontend`, a lazy "module:Class");
   * the knobs' per-format facts: the kernel class whose KNOB_SPACE entry a knob set draws from (`kernel_classes[0]`),
     the FP8 scale mode, the name of the in-kernel reduce argument.
 

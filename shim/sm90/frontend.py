@@ -1,9 +1,10 @@
-"""What the Hopper frontends share: the tree's symbols, the constructor arguments every Hopper MegaMoE kernel takes,
-the Hopper launch arguments and weight layout (shim/sm90/weights.py).
+"""What the Hopper frontends share: the tree's symbols, the constructor arguments every Hopper MegaMoE kernel takes
+and the Hopper launch arguments.
 
-Every Hopper MegaMoE kernel (FP8, BF16) takes the same scheduling / token-comm constructor arguments; a format
-frontend (shim/sm90/<format>_frontend.py) names its kernel class (plain or swap-AB, by the swap_ab knob), adds its
-format's own constructor arguments, and says how activations are staged.
+Every Hopper MegaMoE kernel (FP8, BF16, W4A8) takes the same scheduling / token-comm constructor arguments; a format
+frontend (shim/sm90/<format>_frontend.py, one class per format directly on this one) names its kernel class (plain
+or swap-AB, by the swap_ab knob), adds its format's own constructor arguments, says how activations are staged and
+owns its weight layout (the helpers the layouts share: shim/sm90/weights.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from shim.common.frontend import MegaMoEFrontend
-from shim.sm90 import weights as sm90_weights
 from shim.sm90.formats import BACKENDS
 from shim.sm90.knobs import Sm90Knobs
 
@@ -43,13 +43,6 @@ class Sm90Frontend(MegaMoEFrontend):
             flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp,
             tail_split_pairs=knobs.tail_split_pairs,
         )
-
-    def prepare_weights(self, weights):
-        return sm90_weights.prepare(self.fmt, weights, self.device)
-
-    def placeholder_weights(self):
-        return sm90_weights.placeholder_weights(self.fmt, self.experts_per_rank, self.hidden_size,
-                                                self.intermediate_size, device=self.device)
 
     def activation_args(self, b, rows: int):
         return dict(activation=b.tensor(self.act[:rows]), fc1_c=None)

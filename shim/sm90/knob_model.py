@@ -174,6 +174,6 @@ def for_backend(backend) -> Optional[Dict[str, Any]]:
                                 drop_sha256=provenance.get("carrier_sha256"))
     g = Geometry(backend.fmt, spec.hidden_size, spec.intermediate_size, spec.experts_per_rank(world), spec.top_k,
                  world, spec.max_tokens_per_rank)
-    check = build_check(backend.frontend_class(), spec, world, kernel_format=backend.format)
+    check = build_check(backend.frontend_class(), spec, world, row=backend.row)
     picked = choose(g, measured, accepts=lambda knobs: check(Sm90Knobs.from_json(knobs)))
     return None if picked is None else picked[0]

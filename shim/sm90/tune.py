@@ -142,14 +142,13 @@ def _keep(cands: Iterable[Sm90Knobs], limit: int, accepts, exclude=()) -> List[S
     return out
 
 
-def build_check(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132,
-                kernel_format=None):
+def build_check(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132, row=None):
     """accepts(knobs) -> bool: whether the kernel's constructor takes this knob set for this geometry (no
-    buffers, no compile: the constructor is where the kernel states what it refuses). kernel_format: the table
-    row (default: the frontend class's own)."""
+    buffers, no compile: the constructor is where the kernel states what it refuses). row: the table row
+    (default: the frontend class's own)."""
 
     def accepts(knobs: Sm90Knobs) -> bool:
-        fe = frontend_cls.unbuilt(spec, RankContext.detached(0, world_size), knobs, kernel_format=kernel_format,
+        fe = frontend_cls.unbuilt(spec, RankContext.detached(0, world_size), knobs, row=row,
                                   max_active_clusters=max_active_clusters)
         try:
             fe.build_kernel(knobs)

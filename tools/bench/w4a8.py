@@ -181,7 +181,7 @@ def _frontend(fmt: str, geom: str, capacity: int, device, compile_only: bool = F
     key = (geom, fmt)
     if key not in _W["kernel_weights"]:
         with _W["lock"]:  # one worker at a time holds the quantizer's temporaries
-            _W["kernel_weights"][key] = fe.prepare_weights(weights)
+            _W["kernel_weights"][key] = fe.weights_layout.prepare(weights, fe.device)
             torch.cuda.empty_cache()
     fe.adopt_weights(_W["kernel_weights"][key])
     return fe, knobs, source
