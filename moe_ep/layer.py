@@ -102,24 +102,21 @@ class MoELayer(LayerGeometry):
         if fmt is None and isinstance(weights, QuantizedExpertWeights):
             fmt = weights.fmt  # already quantized: the layer runs in the pack's format
 
-        def resolve():
+        def resolve(fmt):
             if backend is None or backend == "auto":
                 entry = registry.select_backend(registry.detect_arch(ctx.device), fmt)
             else:
                 entry = registry.get_entry(backend)
                 if entry.arch != "cpu":  # a kernel backend named on a device of another arch (or the CPU)
                     require_arch(ctx.device, entry.arch, entry.name)
-            f = entry.default_format if fmt is None else check_format(fmt)
-            if f not in entry.formats:
-                raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {f!r}")
+            fmt = entry.default_format if fmt is None else check_format(fmt)
+            if fmt not in entry.formats:  # the entry states what its class serves (registry.resolve_backend)
+                raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {fmt!r}")
             cls = registry.resolve_backend(entry.name)
-            served = getattr(cls, "weight_formats", entry.formats)
-            if f not in served:
-                raise FormatError("fmt", f"backend {entry.name!r} ({cls.__name__}) serves {list(served)}, not {f!r}")
             slot_spec = eplb_placement.slot_spec(spec, ctx, expert_map, id_space, count_load)
-            validate_weights(slot_spec, weights, ctx, f)
-            validate_spec_for_backend(slot_spec, cls, f, ctx.world_size)
-            return entry, cls, f, slot_spec
+            validate_weights(slot_spec, weights, ctx, fmt)
+            validate_spec_for_backend(slot_spec, cls, fmt, ctx.world_size)
+            return entry, cls, fmt, slot_spec
 
         def forward_options():
             mode = checks_mode()
@@ -127,25 +124,26 @@ class MoELayer(LayerGeometry):
                     check_schedule(collective_checks, "collective_checks", mode),
                     _chunking_option(chunking), _out_dtype_option(out_dtype))
 
-        (entry, cls, f, slot_spec), bound, options = run_agreed(
-            ctx, lambda: (resolve(), watchdog.parse_timeout(timeout_s), forward_options()), "layer arguments")
+        (entry, cls, fmt, slot_spec), bound, options = run_agreed(
+            ctx, lambda: (resolve(fmt), watchdog.parse_timeout(timeout_s), forward_options()), "layer arguments")
         self._values_sched, self._agree_sched, self.chunking, self._out_dtype = options
         self._calls = 0
         self._values_seen = set()
         self._empty = None
         self._on_cuda = ctx.device.type == "cuda"
         # What the backend's forward stages itself (converting once, where it copies anyway); the rest is
-        # converted here (moe_ep.core.backend.Backend.input_dtypes / routing_weight_dtypes).
-        self._hidden_dtypes = getattr(cls, "input_dtypes", (torch.bfloat16,))
-        self._weight_dtypes = getattr(cls, "routing_weight_dtypes", (torch.float32,))
-        self._backend_allocates = bool(getattr(cls, "allocates_output", False))
+        # converted here. Declared by the backend class (moe_ep.core.backend.Backend; the registry resolves only
+        # Backend subclasses).
+        self._hidden_dtypes = cls.input_dtypes
+        self._weight_dtypes = cls.routing_weight_dtypes
+        self._backend_allocates = cls.allocates_output
         self.backend_name = entry.name
-        self.fmt = f
+        self.fmt = fmt
         self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
         # What a bf16 swap quantizes with (statically scaled formats; None when the layer was given quantized bytes).
         self._calibration = {k: getattr(weights, k, None) for k in ("act_amax", "fc2_act_amax")}
         self._eplb = eplb_placement.router(spec, slot_spec, ctx, expert_map, id_space, count_load)
-        self._backend = cls(slot_spec, ctx, fmt=f, **backend_options)
+        self._backend = cls(slot_spec, ctx, fmt=fmt, **backend_options)
         self._backend.prepare_weights(weights)
         self.name, self._watch = watchdog.watch_layer(name, bound, ctx.group, ctx.device)
 

@@ -14,8 +14,9 @@ import importlib.util
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Type, Union
 
+from moe_ep.core.backend import Backend
 from moe_ep.errors import BackendNotFoundError, BackendUnavailableError, FormatError, MoEError, RegistrationError
 from moe_ep.formats import FORMATS, check_format
 
@@ -164,17 +165,28 @@ def _module_present(module: str) -> bool:
         return False
 
 
-def resolve_backend(name: str):
+def resolve_backend(name: str) -> Type[Backend]:
     """The backend class for name, importing its module now. BackendUnavailableError says why it cannot (its
-    probe first: a kernel the pinned tree lacks is named before anything is imported)."""
+    probe first: a kernel the pinned tree lacks is named before anything is imported). The class is checked once
+    against its registration: a moe_ep.Backend (whose class attributes state its capabilities) serving every
+    format the entry names, or a RegistrationError."""
     entry = get_entry(name)
     if entry.probe is not None:
         reason = entry.probe()
         if reason:
             raise BackendUnavailableError("backend", reason)
-    if not isinstance(entry.target, str):
-        return entry.target
-    module, attr = entry.target.split(":", 1)
+    cls = entry.target if not isinstance(entry.target, str) else _import_target(name, entry.target)
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise RegistrationError("target", f"backend {name!r} resolves to {cls!r}, not a moe_ep.Backend subclass")
+    missing = [f for f in entry.formats if f not in cls.weight_formats]
+    if missing:
+        raise RegistrationError("formats", f"backend {name!r} is registered for {list(entry.formats)}, but "
+                                           f"{cls.__name__} serves {list(cls.weight_formats)} (not {missing})")
+    return cls
+
+
+def _import_target(name: str, target: str):
+    module, attr = target.split(":", 1)
     if not _module_present(module):
         raise BackendUnavailableError("backend", f"{name!r} needs module {module!r}, which is not installed here")
     try:

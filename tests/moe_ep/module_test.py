@@ -57,7 +57,7 @@ def test_load_state_dict_reproduces_the_other_modules_outputs(group, fmt):
         assert result.missing_keys == ["router.weight"] or not result.missing_keys
         assert b.layer is not before and b.layer.fmt == fmt
         assert torch.equal(b(x, idx, w).view(torch.int16), want.view(torch.int16))
-        with pytest.raises(moe_ep.LayerClosedError):
+        with pytest.raises(moe_ep.errors.LayerClosedError):
             before(x, idx, w)  # the old layer is gone, its workspace share released
 
 
@@ -67,13 +67,13 @@ def test_bad_states_are_typed_errors_and_a_partial_one_is_never_loaded(group):
         x, idx, w = _inputs()
         want = m(x, idx, w)
         sd = m.state_dict()
-        with pytest.raises(moe_ep.WeightsRankError) as e:
+        with pytest.raises(moe_ep.errors.WeightsRankError) as e:
             m.load_state_dict(dict(sd, expert_offset=torch.tensor(2)))
         assert e.value.argument == "expert_offset"
-        with pytest.raises(moe_ep.DTypeError) as e:
+        with pytest.raises(moe_ep.errors.DTypeError) as e:
             m.load_state_dict(dict(sd, w13_q=sd["w13_q"].float()))
         assert e.value.argument == "w13_q"
-        with pytest.raises(moe_ep.ShapeError) as e:
+        with pytest.raises(moe_ep.errors.ShapeError) as e:
             m.load_state_dict(dict(sd, w2_q=sd["w2_q"][:2]))
         assert e.value.argument == "w2_q"
         partial = {k: v for k, v in sd.items() if k != "w2_q"}
@@ -85,9 +85,9 @@ def test_bad_states_are_typed_errors_and_a_partial_one_is_never_loaded(group):
 
 
 @pytest.mark.parametrize("move, err", [
-    (lambda m: m.to(torch.float16), moe_ep.DTypeError), (lambda m: m.half(), moe_ep.DTypeError),
-    (lambda m: m.float(), moe_ep.DTypeError), (lambda m: m.to("meta"), moe_ep.DeviceError),
-    (lambda m: Block(m).to(torch.bfloat16), moe_ep.DTypeError),
+    (lambda m: m.to(torch.float16), moe_ep.errors.DTypeError), (lambda m: m.half(), moe_ep.errors.DTypeError),
+    (lambda m: m.float(), moe_ep.errors.DTypeError), (lambda m: m.to("meta"), moe_ep.errors.DeviceError),
+    (lambda m: Block(m).to(torch.bfloat16), moe_ep.errors.DTypeError),
 ], ids=["to_fp16", "half", "float", "to_meta", "parent_to_bf16"])
 def test_moving_or_converting_is_a_typed_error(group, move, err):
     with moe_ep.MoEModule(moe_ep.MoESpec(H, I, E, K, C), _weights(0), fmt="fp8_block") as m:

@@ -74,11 +74,11 @@ def test_a_model_moe_ep_cannot_serve_is_refused_untouched(group):
     from moe_ep.testing import hf_models
 
     model = hf_models.tiny_model("mixtral", hidden_act="gelu")
-    with pytest.raises(moe_ep.IntegrationError) as e:
+    with pytest.raises(moe_ep.errors.IntegrationError) as e:
         swap_experts(model)
     assert e.value.argument == "model.layers.0.mlp.experts" and "hidden_act='gelu'" in str(e.value)
     assert hasattr(model.model.layers[0].mlp.experts, "gate_up_proj")
-    with pytest.raises(moe_ep.IntegrationError) as e:
+    with pytest.raises(moe_ep.errors.IntegrationError) as e:
         swap_experts(torch.nn.Linear(4, 4))
     assert e.value.argument == "model"
 
@@ -92,7 +92,7 @@ def test_moe_ep_imports_without_transformers():
             "import moe_ep, moe_ep.integrations.transformers as t, moe_ep.testing.hf_models\n"
             "try:\n"
             "    t.swap_experts(None)\n"
-            "except moe_ep.IntegrationError as e:\n"
+            "except moe_ep.errors.IntegrationError as e:\n"
             "    print('ARG', e.argument)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
