@@ -397,7 +397,7 @@ def w4a8_nvfp4_kernel_operand(codes: torch.Tensor, sf: torch.Tensor,
                               global_scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """One expert's NVFP4 weight [N, K] as an SM90 W4A8 kernel multiplies it: the FP8 operand e4m3(q * sf / 8)
     (rounded to nearest even: the product of an e2m1 value and an e4m3 scale needs up to five significant bits)
-    and the residual 8 / g, restored on the accumulator (FlashInfer 0.7.4's Hopper NVFP4 x FP8 contract:
-    kernel_src/sm90/pull_style_cutedsl_megakernel/shim/nvfp4_kernels.py and its backend's weights.py)."""
+    and the residual 8 / g, restored on the accumulator (FlashInfer's Hopper NVFP4 x FP8 contract, in the carrier
+    wheel: kernel_src/sm90/pull_style_cutedsl_megakernel/shim/nvfp4_kernels.py and its backend's weights.py)."""
     operand = to_e4m3(nvfp4_dequantize_raw(codes, sf) * 0.125).to(torch.float32)
     return operand, torch.reciprocal(global_scale.to(torch.float32).reshape(())) * 8.0

@@ -171,8 +171,7 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     @property
     def internal_graphs(self) -> bool:
         """Whether eager calls replay one internal CUDA graph per token count (the default) or launch through the
-        CuTe executor every time (hundreds of microseconds of host time a call: docs/performance.md; for
-        comparisons)."""
+        CuTe executor every time (hundreds of microseconds of host time a call: docs/shim.md; for comparisons)."""
         return self._internal_graphs
 
     @internal_graphs.setter

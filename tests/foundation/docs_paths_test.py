@@ -136,5 +136,17 @@ def test_the_scan_finds_what_it_should(tmp_path):
                      ("docs/drop/audit-sm90-OLD-from-NEW.md", False), ("shim/sm100/tables/", False)]
 
 
+def test_the_index_names_every_page():
+    """docs/README.md is the index: every page under docs/ (the generated ones under docs/drop/ as their folder) is
+    linked from it, so a new page cannot be left where nobody finds it."""
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target.split("#", 1)[0]).resolve()
+              for target in _LINK.findall(index.read_text(encoding="utf-8")) if not target.startswith("http")}
+    pages = [p for p in sorted((ROOT / "docs").glob("*.md")) if p != index]
+    missing = [p.relative_to(ROOT).as_posix() for p in pages if p.resolve() not in linked]
+    assert not missing, f"pages docs/README.md does not link: {missing}"
+    assert (ROOT / "docs" / "drop").resolve() in linked, "docs/README.md does not link the generated pages (drop/)"
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

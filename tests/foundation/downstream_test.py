@@ -1,8 +1,8 @@
 """An engine's workspace builds and tests moe_ep: examples/downstream, by a nested Bazel.
 
 examples/downstream is a separate workspace (its own WORKSPACE, .bazelrc, BUILD) that reaches this
-repository by path as @megamoe_ep and calls megamoe_ep_repositories(), exactly what the README
-section "Using moe_ep from your Bazel workspace" shows (checked here too). A second Bazel, in batch
+repository by path as @megamoe_ep and calls megamoe_ep_repositories(), exactly what docs/downstream.md
+("Using moe_ep from your Bazel workspace") shows (checked here too). A second Bazel, in batch
 mode with its own --output_user_root under TEST_TMPDIR, runs in that workspace:
 
   - `bazel test //:two_ranks_test`: 2 CPU ranks through moe_ep's public API, checked against the
@@ -15,7 +15,7 @@ mode with its own --output_user_root under TEST_TMPDIR, runs in that workspace:
 Offline and quick: the drop trees and the venv the outer build already has are handed over with
 --override_repository (tests/foundation/nested_bazel.py). @remote_coverage_tools is not: the
 example's own .bazelrc line has to be enough, as it is for a consumer. It checks files outside its
-declared inputs (the example, the README, the whole repository it loads): the source digest among its
+declared inputs (the example, docs/downstream.md, the whole repository it loads): the source digest among its
 data reruns it when any of them changes.
 """
 
@@ -27,6 +27,7 @@ import pytest
 
 from tests.foundation import nested_bazel
 
+DOC = "docs/downstream.md"
 SECTION = "## Using moe_ep from your Bazel workspace"
 # No convenience symlinks in the source tree; actions run unsandboxed (this test already runs in the outer
 # Bazel's sandbox, and the nested test starts processes of its own); a plain log, 2 jobs as on CI.
@@ -39,8 +40,8 @@ def _example():
 
 
 def _section():
-    text = (nested_bazel.workspace_root() / "README.md").read_text(encoding="utf-8")
-    assert SECTION in text, f"README.md has no section {SECTION!r}"
+    text = (nested_bazel.workspace_root() / DOC).read_text(encoding="utf-8")
+    assert SECTION in text, f"{DOC} has no section {SECTION!r}"
     body = text.split(SECTION, 1)[1]
     return re.split(r"^## ", body, maxsplit=1, flags=re.M)[0]
 
@@ -74,16 +75,16 @@ def test_readme_shows_the_example_workspace_and_bazelrc():
         want = (_example() / name).read_text(encoding="utf-8")
         shown = blocks.get(f"{info} title={name}", [])
         assert shown == [want], (
-            f"README section {SECTION!r} must show examples/downstream/{name} verbatim in one ```{info} title={name} "
+            f"{DOC} section {SECTION!r} must show examples/downstream/{name} verbatim in one ```{info} title={name} "
             f"block; it shows {shown!r}, the file is {want!r}")
 
 
 def test_readme_build_snippet_is_from_the_example():
     shown = _blocks(_section()).get("python title=BUILD.bazel", [])
-    assert len(shown) == 1, "README section must show one ```python title=BUILD.bazel block"
+    assert len(shown) == 1, f"{DOC} must show one ```python title=BUILD.bazel block"
     example = (_example() / "BUILD.bazel").read_text(encoding="utf-8")
     missing = [l for l in shown[0].splitlines() if l.strip() and l not in example.splitlines()]
-    assert not missing, f"README BUILD lines not in examples/downstream/BUILD.bazel: {missing}"
+    assert not missing, f"{DOC} BUILD lines not in examples/downstream/BUILD.bazel: {missing}"
 
 
 def test_example_two_ranks_test_passes():
@@ -118,7 +119,7 @@ def test_example_target_on_both_trees_fails_analysis_naming_both(build):
 
 
 def test_query_in_the_example_needs_the_coverage_override():
-    # What the README says a consumer's `bazel query` needs: the override of @remote_coverage_tools, which
+    # What docs/downstream.md says a consumer's `bazel query` needs: the override of @remote_coverage_tools, which
     # --noimplicit_deps alone does not replace (the test rules' coverage attribute still loads it).
     stub = nested_bazel.workspace_root() / "tools" / "bazel" / "coverage_stub"
     ok = _run("query", [f"--override_repository=remote_coverage_tools={stub}", "deps(//:two_ranks_test)"],
