@@ -106,8 +106,8 @@ def _add(name: str, target, *, arch: str, formats, description: str = "", probe=
     formats = tuple(formats)
     if not formats:
         raise RegistrationError("formats", "expected at least one format")
-    for f in formats:
-        check_format(f, "formats")
+    for fmt in formats:
+        check_format(fmt, "formats")
     if name in _REGISTRY and not replace:
         raise RegistrationError("name", f"backend {name!r} is already registered (pass replace=True to override)")
     entry = BackendEntry(name, target, arch, formats, description, probe)
@@ -178,7 +178,7 @@ def resolve_backend(name: str) -> Type[Backend]:
     cls = entry.target if not isinstance(entry.target, str) else _import_target(name, entry.target)
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
         raise RegistrationError("target", f"backend {name!r} resolves to {cls!r}, not a moe_ep.Backend subclass")
-    missing = [f for f in entry.formats if f not in cls.weight_formats]
+    missing = [fmt for fmt in entry.formats if fmt not in cls.weight_formats]
     if missing:
         raise RegistrationError("formats", f"backend {name!r} is registered for {list(entry.formats)}, but "
                                            f"{cls.__name__} serves {list(cls.weight_formats)} (not {missing})")

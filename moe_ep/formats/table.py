@@ -26,7 +26,7 @@ from moe_ep.formats.w4a8_nvfp4 import W4A8Nvfp4
 
 __all__ = ["FORMATS", "format_info", "check_format", "format_violations"]
 
-_TABLE: Dict[str, Format] = {f.name: f for f in (
+_TABLE: Dict[str, Format] = {info.name: info for info in (
     Bf16(), Fp8Block(), Fp8Tensor(), Mxfp8(), Nvfp4(), W4A8Mxfp4(), W4A8Nvfp4(),
 )}
 

@@ -71,37 +71,37 @@ class Sm100Frontend(MegaMoEFrontend):
                                f"{self.kernel_interleave()}; the weight packer assumes {want}")
 
 
-def tensor_workspaces(f: Sm100Frontend, b: ArgBuilder, *, static_shared: bool) -> Dict[str, Any]:
+def tensor_workspaces(fe: Sm100Frontend, b: ArgBuilder, *, static_shared: bool) -> Dict[str, Any]:
     """The MXFP8 and BF16 kernels take their workspaces as 1-D byte tensors (they use `.iterator`), as the
     drop's runners pass them: the local one with its extent compiled in; the shared one too for MXFP8 (its
     runner: the extent can exceed int32), dynamic for BF16. Static extents are fixed by the kernel's
     configuration, which the compile key already holds."""
-    shared = b.static_tensor(f.shared_ws) if static_shared else b.tensor(f.shared_ws)
-    return dict(local_workspace=b.static_tensor(f.local_ws), shared_workspace=shared)
+    shared = b.static_tensor(fe.shared_ws) if static_shared else b.tensor(fe.shared_ws)
+    return dict(local_workspace=b.static_tensor(fe.local_ws), shared_workspace=shared)
 
 
 # --------------------------------------------------------------------------- block-scaled formats (NVFP4, MXFP8)
 # Quantized activations with per-row block scales, weight scales swizzled (the layout's `scale_block` elements a
 # scale along K).
-def scale_cols(f: Sm100Frontend) -> int:
+def scale_cols(fe: Sm100Frontend) -> int:
     """Scale columns per staged row: H / block, padded to whole 4-byte words."""
-    return round_up(f.hidden_size // f.weights_layout.scale_block, 4)
+    return round_up(fe.hidden_size // fe.weights_layout.scale_block, 4)
 
 
-def check_scale_row(f: Sm100Frontend, kernel) -> None:
-    if kernel.sf_uint32_per_token * 4 != scale_cols(f):
-        raise RuntimeError(f"the {f.fmt} kernel pulls {kernel.sf_uint32_per_token * 4} scale bytes per token; "
-                           f"the frontend stages {scale_cols(f)}")
+def check_scale_row(fe: Sm100Frontend, kernel) -> None:
+    if kernel.sf_uint32_per_token * 4 != scale_cols(fe):
+        raise RuntimeError(f"the {fe.fmt} kernel pulls {kernel.sf_uint32_per_token * 4} scale bytes per token; "
+                           f"the frontend stages {scale_cols(fe)}")
 
 
-def block_scaled_buffers(f: Sm100Frontend, act_shape: Tuple[int, ...], act_dtype: torch.dtype,
+def block_scaled_buffers(fe: Sm100Frontend, act_shape: Tuple[int, ...], act_dtype: torch.dtype,
                          scale_dtype: torch.dtype) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
-    c = f.max_tokens_per_rank
-    return [("act", (c,) + tuple(act_shape), act_dtype), ("act_sf", (c, scale_cols(f)), scale_dtype)]
+    c = fe.max_tokens_per_rank
+    return [("act", (c,) + tuple(act_shape), act_dtype), ("act_sf", (c, scale_cols(fe)), scale_dtype)]
 
 
-def block_scaled_activation_args(f: Sm100Frontend, b: ArgBuilder, rows: int) -> Dict[str, Any]:
-    return dict(activation=b.tensor(f.act[:rows]), activation_sf=b.tensor(f.act_sf[:rows]))
+def block_scaled_activation_args(fe: Sm100Frontend, b: ArgBuilder, rows: int) -> Dict[str, Any]:
+    return dict(activation=b.tensor(fe.act[:rows]), activation_sf=b.tensor(fe.act_sf[:rows]))
 
 
 def block_scaled_weight_args(b: ArgBuilder, w) -> Dict[str, Any]:
@@ -109,14 +109,14 @@ def block_scaled_weight_args(b: ArgBuilder, w) -> Dict[str, Any]:
                 fc2_weight_sf=b.tensor(w.fc2_sf))
 
 
-def write_staged(f: Sm100Frontend, t: int, q: torch.Tensor, sf: torch.Tensor) -> None:
-    f.act[:t].view(torch.uint8).copy_(q.view(torch.uint8))
-    f.act_sf[:t, : sf.shape[1]].view(torch.uint8).copy_(sf.view(torch.uint8))
-    if sf.shape[1] < scale_cols(f):
+def write_staged(fe: Sm100Frontend, t: int, q: torch.Tensor, sf: torch.Tensor) -> None:
+    fe.act[:t].view(torch.uint8).copy_(q.view(torch.uint8))
+    fe.act_sf[:t, : sf.shape[1]].view(torch.uint8).copy_(sf.view(torch.uint8))
+    if sf.shape[1] < scale_cols(fe):
         # The word padding dispatch moves with each row is zero, as the drop's runners stage it; the staging
         # arena is shared by every layer, so it is written every call, not once.
-        f.act_sf[:t, sf.shape[1]:].view(torch.uint8).zero_()
+        fe.act_sf[:t, sf.shape[1]:].view(torch.uint8).zero_()
 
 
-def staged_scales(f: Sm100Frontend, t: int) -> torch.Tensor:
-    return f.act_sf[:t, : f.hidden_size // f.weights_layout.scale_block].clone()
+def staged_scales(fe: Sm100Frontend, t: int) -> torch.Tensor:
+    return fe.act_sf[:t, : fe.hidden_size // fe.weights_layout.scale_block].clone()
