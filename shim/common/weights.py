@@ -47,10 +47,10 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def _interleave(w: torch.Tensor, group: int, inverse: bool = False) -> torch.Tensor:
     """Gate/up row (de)interleave of any element type (one-byte types moved as bytes)."""
-    byte = w.element_size() == 1
-    out = (codecs.deinterleave_gate_up if inverse else codecs.interleave_gate_up)(w.view(torch.uint8) if byte else w,
-                                                                                  group)
-    return out.view(w.dtype) if byte else out
+    move = codecs.deinterleave_gate_up if inverse else codecs.interleave_gate_up
+    if w.element_size() == 1:
+        return move(w.view(torch.uint8), group).view(w.dtype)
+    return move(w, group)
 
 
 def kernel_tensors(experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device,
