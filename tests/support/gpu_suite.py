@@ -2,7 +2,8 @@
 arch (what `bazel test //... --config=hopper` adds for sm90), each run the way Bazel runs it (its main file, from
 the repository root, MOE_EP_ARCH set), one after the other, with a log per test and a verdict table.
 
-    python -m tests.support.gpu_suite --arch sm90 --out "$OUT/gpu_suite"        # on the GPU host, tree exported
+    python -m tests.support.gpu_suite --arch sm90 --out "$OUT/gpu_suite"        # from the repository root, on the
+                                                                                 # GPU host, the tree exported
     python -m tests.support.gpu_suite --arch sm90 --dry-run                      # what it would run (any host)
 
 The suites' own per-case JSON lines (tests/support/gpu.py CaseLog) go to <out>/<test>.rank<r>.jsonl; the verdicts to
@@ -70,7 +71,7 @@ def run(arch: str, out: Path, nproc: int, timeout_s: float, only: Optional[List[
             continue
         env = dict(os.environ, **test["env"], MOE_EP_ARCH=arch, MOE_EP_NPROC=str(nproc),
                    MOE_EP_GPU_LOG=str(out / test["name"]))
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this one's path: the repository root on it
         start = time.monotonic()
         try:
             proc = subprocess.run([sys.executable, test["main"]], cwd=ROOT, env=env, capture_output=True, text=True,
