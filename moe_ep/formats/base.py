@@ -21,7 +21,8 @@ import torch
 from moe_ep.errors import ShapeError
 from moe_ep.formats import codecs
 
-__all__ = ["Format", "W4A8Format", "FIELDS", "PER_EXPERT_FIELDS", "Rule"]
+__all__ = ["Format", "W4A8Format", "FIELDS", "PER_EXPERT_FIELDS", "POSITIVE_FIELDS", "Rule", "check_e2m1_codes",
+           "nvfp4_weight_fields", "nvfp4_weight_rules", "nvfp4_dequantize_weights"]
 
 # Every field a pack may carry beyond w13_q / w2_q, in pack order.
 FIELDS = ("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "act_scale", "fc2_act_scale")
