@@ -176,8 +176,8 @@ def test_stage_two_changes_one_scheduling_knob_at_a_time():
     cands = scheduling_candidates([base], limit=20)
     assert cands and base not in cands
     for c in cands:
-        changed = [f for f in ("group_hint", "token_back_mode", "tail_split_pairs", "flag_batch", "epi_flag_batch")
-                   if getattr(c, f) != getattr(base, f)]
+        changed = [f for f in ("group_hint", "token_back_mode", "tail_split_pairs", "flag_batch", "epi_flag_batch",
+                               "load_balance_mode") if getattr(c, f) != getattr(base, f)]
         assert len(changed) == 1, changed
         assert all(getattr(c, f) == getattr(base, f) for f in CORRECTNESS_KNOBS if f not in changed)
 
