@@ -105,7 +105,10 @@ def structural_candidates(fmt: str, spec: MoESpec, world_size: int = 1, limit: i
     for swap in (False, True) if len({k.swap_ab for k in ranked}) > 1 else ():
         have = [k for k in keep if k.swap_ab == swap]
         for k in [k for k in ranked[limit:] if k.swap_ab == swap][:max(0, 2 - len(have))]:
-            drop = next(i for i in range(len(keep) - 1, 0, -1) if sum(c.swap_ab == keep[i].swap_ab for c in keep) > 2)
+            drop = next((i for i in range(len(keep) - 1, 0, -1) if sum(c.swap_ab == keep[i].swap_ab for c in keep) > 2),
+                        None)
+            if drop is None:  # a list this short has no room for two of each order
+                break
             keep[drop] = k
     return keep
 

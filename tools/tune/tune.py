@@ -332,14 +332,16 @@ def stage_candidates(key: _Key, stage: str, limits: Dict[str, int]) -> List[Any]
                                     exclude=key.signatures)
     else:
         bases = ranked[:1]
-        best_us = _ranked(key)[0]["us"]
-        # What each set of stages 2-3 within 2% of the best changed from its own base: a change that did not hurt
-        # may add to one that helped.
-        changes = []
+        # What each set of stages 2-3 that beat its own base changed from it, the biggest gains first: changes
+        # that helped one at a time may add up.
+        helped = []
         for r in _ranked(key):
-            if r.get("stage") in ("scheduling", "exchange") and r.get("parent") and r["us"] <= 1.02 * best_us:
+            parent_us = _us_of(key, r["parent"]) if r.get("parent") else None
+            if r.get("stage") in ("scheduling", "exchange") and parent_us and r["us"] < parent_us:
                 k, parent = Sm90Knobs.from_json(r["knobs"]), Sm90Knobs.from_json(r["parent"])
-                changes.append({f: getattr(k, f) for f in k.__dataclass_fields__ if getattr(k, f) != getattr(parent, f)})
+                helped.append((r["us"] / parent_us,
+                               {f: getattr(k, f) for f in k.__dataclass_fields__ if getattr(k, f) != getattr(parent, f)}))
+        changes = [c for _, c in sorted(helped, key=lambda h: h[0])]
         cands = combined_candidates(ranked[0], changes, limit=limits[stage], accepts=key.accepts, signature=sig,
                                     exclude=key.signatures)
     key.signatures.update(sig(k) for k in cands)
@@ -426,15 +428,25 @@ def _prepare_key(key: _Key, table, device: str, drop_sha: str) -> None:
     _seeds(key, table, device, drop_sha)
 
 
-def tune_world1(args) -> int:
-    import torch
+def _process_pool(workers: int, lock, best):
+    ctxm = mp.get_context("spawn")
+    return ProcessPoolExecutor(workers, mp_context=ctxm, initializer=_init_worker, initargs=(lock, best))
 
+
+def tune_world1(args, *, device: Optional[str] = None, make_pool=None, run=None) -> int:
+    """The world-size-1 tune. device (the GPU's name), make_pool(workers, lock, best) and run (what a worker runs on
+    one candidate: run_job) are the GPU's by default; the CPU test gives its own."""
     version, drop_sha, verified = _drop_identity()
     if not verified:
         print("tools.tune: the kernel tree is not a verified pinned drop; a table made on it would be keyed to no "
               "drop. Point MOE_EP_SM90_TREE at a clean extraction of the pinned wheel.", file=sys.stderr)
         return 2
-    device = torch.cuda.get_device_name(0)
+    if device is None:
+        import torch
+
+        device = torch.cuda.get_device_name(0)
+    make_pool = make_pool or _process_pool
+    run = run or run_job
     table_path = Path(args.table)
     table = _load_table(table_path)
     keys, skipped = plan_keys(args, table, device, drop_sha)
@@ -450,8 +462,7 @@ def tune_world1(args) -> int:
     workers = args.workers or max(1, min(14, (os.cpu_count() or 4) - 2))
     print(f"[tune] {len(keys)} key(s) on {device}, drop {version} ({drop_sha[:12]}), {workers} workers, "
           f"budget {args.budget_s:.0f} s (+{args.grace_s:.0f} s for jobs in flight)", flush=True)
-    pool = ProcessPoolExecutor(workers, mp_context=ctxm, initializer=_init_worker, initargs=(lock, best))
-    pools = [pool]
+    pools = [make_pool(workers, lock, best)]
     queue: List[Tuple[int, int, Dict[str, Any]]] = []  # (key slot, sequence, job): the first keys' jobs go first
     inflight: Dict[Any, Tuple[_Key, Dict[str, Any]]] = {}
     counter = [0, 0]  # jobs queued, jobs back
@@ -471,7 +482,7 @@ def tune_world1(args) -> int:
     def fill() -> None:
         while queue and len(inflight) < workers and not over():
             _, _, j = queue.pop(0)
-            inflight[pools[-1].submit(run_job, j)] = (keys[j["slot"]], j)
+            inflight[pools[-1].submit(run, j)] = (keys[j["slot"]], j)
 
     def advance(key: _Key) -> None:
         """A key whose jobs are all back moves to its next stage (past any stage with nothing to run)."""
@@ -516,8 +527,7 @@ def tune_world1(args) -> int:
             if not pools[-1]._broken:  # already replaced for an earlier future of the same crash
                 return dict(job, ok=False, error=f"worker died: {e}")
             print(f"[tune] a worker died ({e}); restarting the pool", flush=True)
-            pools.append(ProcessPoolExecutor(workers, mp_context=ctxm, initializer=_init_worker,
-                                             initargs=(lock, best)))
+            pools.append(make_pool(workers, lock, best))
             for other in [f for f in inflight if f is not fut]:
                 k2, j2 = inflight.pop(other)
                 counter[0] += 1
@@ -612,7 +622,8 @@ def _record(table, path: Path, key: _Key, device: str, version: str, sha: str, s
                  "cut": sum(1 for r in key.results if r.get("cut")),
                  "rejected": sum(1 for r in key.results if not r.get("ok")),
                  "oracle_rel_l2": checked.get("oracle_rel_l2"), "geometry_key": key.base_key,
-                 "kept_heuristic": kept, "measured_winner_us": round(checked["us"], 1),
+                 "kept_heuristic": kept, "measured_winner": checked["knobs"],
+                 "measured_winner_us": round(checked["us"], 1),
                  "runners_up": [r["knobs"] for r in ranked[:3]],
                  "runners_up_us": [round(r["us"], 1) for r in ranked[:3]],
                  "model_choice": None if key.model_choice is None else key.model_choice.to_json(),
@@ -669,8 +680,8 @@ def dry_run(args) -> int:
             cands, parents = stage_candidates(key, stage, limits)
             counts.append(len(cands))
             first = first or [(key, k) for k in cands]
-            # As if each stage's first candidate won by 1% (and the rest did not hurt).
-            key.results += [dict(ok=True, us=100.0 - n - (i == 0) + i / 1000, knobs=k.to_json(), stage=stage,
+            # As if each stage's first candidate won by 1% and the rest helped a little.
+            key.results += [dict(ok=True, us=100.0 - n - (i == 0) - i / 1000, knobs=k.to_json(), stage=stage,
                                  parent=None if parents is None else parents[i].to_json())
                             for i, k in enumerate(cands)]
         total += sum(counts)
@@ -694,9 +705,20 @@ def dry_run(args) -> int:
 
 
 def short(knobs: Dict[str, Any]) -> str:
-    from tools.tune.knob_model_eval import short as _short
+    """A knob set in a few words: operand order, tile, cluster, ping-pong, tail-split pairs, group_hint, and any
+    exchange knob it sets."""
+    from shim.sm90.knobs import EXCHANGE_KNOBS
 
-    return _short(knobs)
+    m, n, _ = knobs["mma_tiler_mnk"]
+    c = knobs["cluster_shape_mnk"]
+    parts = [f"{'swap' if knobs['swap_ab'] else 'plain'} {m}x{n} c{c[0]}{c[1]}"]
+    if knobs.get("pingpong"):
+        parts.append("pp")
+    if knobs.get("tail_split_pairs"):
+        parts.append("tsp")
+    parts.append(f"g{knobs.get('group_hint')}")
+    parts += [f"{name}={knobs[name]}" for name in EXCHANGE_KNOBS if knobs.get(name) is not None]
+    return " ".join(parts)
 
 
 def tune_collective(args) -> int:
@@ -800,7 +822,7 @@ def _check_collective_winner(moe_ep, spec, weights, fmt: str, knobs, ctx) -> Dic
     return {"ok": bool(report.ok), "rel_l2": mine.rel_l2_err, "max_row_rel": mine.max_row_rel_err}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     from shim.sm90.formats import BACKENDS
 
     ap = argparse.ArgumentParser(prog="python -m tools.tune", description=__doc__,
@@ -824,6 +846,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the plan (no GPU)")
     ap.add_argument("--compile", type=int, default=0, help="with --dry-run: cute.compile this many candidates here")
     ap.add_argument("--device-name", default="NVIDIA H200", help="with --dry-run: the GPU whose table keys to read")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.dry_run:
         return dry_run(args)
