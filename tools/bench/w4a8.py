@@ -198,8 +198,21 @@ def _variant_knobs(variant: str, geom: str, capacity: int, ctx):
     if variant == "w4a8_k128":
         return k.replace(mma_tiler_mnk=(m, n, 128), mxfp4_fc2_tail_n8=None)
     if variant == "fp8_swap_same_tile":
-        return Sm90Knobs(swap_ab=True, mma_tiler_mnk=(m, min(n, 64), 128), cluster_shape_mnk=k.cluster_shape_mnk,
-                         pingpong=k.pingpong, group_hint=k.group_hint, kernel=KERNEL_CLASS["fp8_block"])
+        from shim.sm90.knobs import EXCHANGE_KNOBS, KNOB_SPACE
+        from shim.sm90.tune import EXCHANGE_DEFAULTS, build_check
+
+        plain = Sm90Knobs(swap_ab=True, mma_tiler_mnk=(m, min(n, 64), 128), cluster_shape_mnk=k.cluster_shape_mnk,
+                          pingpong=k.pingpong, group_hint=k.group_hint, kernel=KERNEL_CLASS["fp8_block"])
+        # W4A8's schedule too, where FP8's kernel takes it: the same scheduling and exchange knobs, W4A8's defaults
+        # spelled out (the two kernels' defaults differ: the pull buffer).
+        w4a8_default = dict(EXCHANGE_DEFAULTS[k.kernel])
+        exchange = {f: getattr(k, f) if getattr(k, f) is not None else w4a8_default.get(f)
+                    for f in EXCHANGE_KNOBS if f in KNOB_SPACE[plain.kernel]}
+        same = plain.replace(token_back_mode=k.token_back_mode, load_balance_mode=k.load_balance_mode,
+                             flag_batch=k.flag_batch, epi_flag_batch=k.epi_flag_batch, **exchange)
+        spec = _spec(geom, capacity)
+        accepts = build_check(_backend_cls("fp8_block").frontend_class(), spec, kernel_format=None)
+        return same if accepts(same) else plain
     raise ValueError(f"unknown ablation variant {variant!r}")
 
 
