@@ -198,8 +198,8 @@ class Sm90Knobs(KnobSet):
 # W4A8 MXFP4 defaults by capacity bucket (the drop ships no table for this kernel). Facts from FlashInfer 0.7.4's
 # Hopper MXFP4 default tactics (its block-permutation routing profile, H200/H100-measured): tile, cluster and
 # group_hint per bucket; capacities above 2048 take the 2048 row. Its load-balance, dispatch-warp and store-offload
-# choices are knobs moe_ep does not expose yet (the kernel's defaults run: static, one dispatch warp, folded
-# producers), so these rows are a starting point for tools/tune, not its measured optimum.
+# choices are left at the kernel's defaults here (static, one dispatch warp, folded producers); the tuner searches
+# them (EXCHANGE_KNOBS), so these rows are a starting point for tools/tune, not its measured optimum.
 # bucket -> (mma_tiler_mnk, cluster_shape_mnk, group_hint)
 W4A8_MXFP4_DEFAULTS = {
     8: ((256, 16, 256), (2, 1, 1), 132),
