@@ -345,7 +345,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if error is not None:
         print(f"[fi] FlashInfer's build failed:\n{error[-4000:]}", file=sys.stderr, flush=True)
         pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list(getattr(pool, "_processes", {}).values()):
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
             proc.terminate()
         return 5
     print(f"[fi] built in {time.perf_counter() - started:.0f} s", flush=True)

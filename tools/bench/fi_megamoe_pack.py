@@ -48,6 +48,9 @@ INCLUDE_DIRS = ("flashinfer/data/csrc/megamoe", "flashinfer/data/csrc", "flashin
 _INCLUDE = re.compile(rb'^\s*#\s*include\s*[<"]([^">]+)[">]', re.M)
 
 
+WHOLE = ("flashinfer/data/cccl/",)
+
+
 def pinned() -> Tuple[str, str]:
     """(version, sha256) of the sm90 drop's carrier wheel."""
     text = WORKSPACE.read_text()
@@ -158,7 +161,9 @@ def pack(wheel: Path, tvm_wheel: Path, out: Path) -> Dict[str, int]:
         return cache[name]
 
     py = python_closure(names, read)
-    cpp = include_closure(names, read)
+    # The include scan misses CCCL's computed and configuration includes; half a CCCL beside the toolkit's own mixes
+    # two versions' config macros (nvcc: "missing binary operator before token '('"), so CCCL travels whole.
+    cpp = sorted(set(include_closure(names, read)) | {n for n in names if n.startswith(WHOLE) and not n.endswith("/")})
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for name in py + cpp:
