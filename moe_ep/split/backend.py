@@ -23,12 +23,12 @@ import torch
 
 from moe_ep.core.backend import Backend
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import SpecError
+from moe_ep.core.errors import ExpertIndexError, SpecError
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.watchdog import divergence, sequence
 from moe_ep.formats import FORMATS, QuantizedActivation
 from moe_ep.split import engine as engines
-from moe_ep.split.layout import Layout, slot_owners
+from moe_ep.split.layout import Layout, Rows, slot_owners
 from moe_ep.split.transport import Transport, pack_rows, unpack_rows
 
 __all__ = ["SplitBackend", "TRANSPORTS"]
@@ -90,8 +90,9 @@ class SplitBackend(Backend):
         rows = engine_rows or min(ctx.world_size * s.max_tokens_per_rank, max(s.max_tokens_per_rank, ENGINE_ROWS))
         if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
             raise SpecError("engine_rows", f"expected a positive int, got {engine_rows!r}")
-        local = MoESpec(s.hidden_size, s.intermediate_size, s.num_experts // ctx.world_size, s.top_k, rows,
-                        s.gate_up_clamp)
+        e_local = s.num_experts // ctx.world_size
+        # A row carries at most min(K, E_local) live slots to this rank (distinct experts; checked per call).
+        local = MoESpec(s.hidden_size, s.intermediate_size, e_local, min(s.top_k, e_local), rows, s.gate_up_clamp)
         cls.check(local, self.fmt, ctx.device, opts)
         return name, cls, local
 
@@ -107,6 +108,17 @@ class SplitBackend(Backend):
         w = self.ctx.world_size
         owner, dest_id = slot_owners(topk_idx, self.spec.num_experts // w, w)
         return owner, dest_id, w
+
+    def _check_slots(self, most: list) -> None:
+        """Every rank raises the same error when a row would carry more slots to one destination than its engine
+        takes: a token naming one expert twice (the counts exchange carried each rank's largest)."""
+        width = self.engine.spec.top_k
+        bad = [r for r, m in enumerate(most) if m > width]
+        if bad:
+            raise ExpertIndexError("topk_idx", (
+                f"rank(s) {bad} routed a token to more than {width} slots held by one rank ({max(most)}): a token "
+                f"names one expert twice. Each rank holds {width} expert(s) here, and the split path's engine takes "
+                f"at most that many slots per token; route each token to distinct experts"))
 
     def _fingerprint(self):
         return self._seq.fingerprint() if self._seq is not None else (0, 0, 0)
@@ -147,16 +159,25 @@ class SplitBackend(Backend):
             q, scale = hidden, None
         tr = self.transport
         if self.padded():
+            if not eng.capturable and self.ctx.device.type == "cuda" and _capturing():
+                raise SpecError("engine", f"the split path's {self.engine_name!r} engine reads row counts on the "
+                                          "host, which a CUDA graph capture cannot hold; capture a layer built with a "
+                                          "capturable engine ('fused', 'torch_fp8_rowwise')")
             send = recv = None
             rows = lay.rows(None)
+            if self.engine.spec.top_k < self.spec.top_k:  # no host read while capturing: the check on the device
+                torch._assert_async(lay.stats[-1] <= self.engine.spec.top_k, "moe_ep split path: a token names "
+                                    "one expert twice, more slots than the rank's engine takes")
         else:
+            stats = lay.stats.tolist()  # the call's one host read: counts per destination, most slots in a row
             mine = self._fingerprint()
-            send, recv, theirs = tr.counts(lay.counts, header=mine)
+            send, recv, theirs = tr.counts(stats[:-1], header=(*mine, stats[-1]))
             if self._seq is not None and tr.world_size > 1:
-                divergence.in_band(self._seq, mine, theirs)
+                divergence.in_band(self._seq, mine, [h[:-1] for h in theirs])
+            self._check_slots([h[-1] for h in theirs])
             rows = lay.rows(send)
-        meta, spec = pack_rows([None if scale is None else rows.select(scale), rows.dest_ids(),
-                                rows.select(topk_weights)])
+        ids, w = Rows.compact(rows.dest_ids(), rows.select(topk_weights), self.engine.spec.top_k)
+        meta, spec = pack_rows([None if scale is None else rows.select(scale), ids, w])
         q_in = tr.rows(rows.select(q), send, recv)
         scale_in, ids_in, w_in = unpack_rows(tr.rows(meta, send, recv), spec)
         partial = torch.empty((q_in.shape[0], self.spec.hidden_size), dtype=torch.bfloat16, device=q_in.device)

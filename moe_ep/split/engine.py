@@ -73,6 +73,7 @@ class LocalEngine:
     formats: ClassVar[Tuple[str, ...]] = FORMATS
     takes_quantized: bool = False
     numerics: str = "the format's"
+    capturable: bool = True  # its forward reads nothing on the host (a CUDA graph can hold it)
 
     def __init__(self, spec: MoESpec, ctx: RankContext, fmt: str, *, expert_offset: int = 0,
                  apply_topk_in_fc1: bool = True):
@@ -116,6 +117,7 @@ class ReferenceEngine(LocalEngine):
     """The torch reference's FFN per expert, then the top-k reduce over the row's slots (moe_ep.reference.ffn)."""
 
     name = "reference"
+    capturable = False  # per-expert row selection on the host
 
     def __init__(self, spec, ctx, fmt, *, expert_offset: int = 0, apply_topk_in_fc1: bool = True,
                  wire: str = "quantized"):

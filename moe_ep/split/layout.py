@@ -44,8 +44,13 @@ class Layout:
         dev = owner.device
         self.tokens, self.top_k, self.dests, self.capacity = t, k, dests, capacity
         self.parts = max(1, min(k, dests))
-        hit = torch.zeros((t, dests + 1), dtype=torch.int64, device=dev).scatter_(1, owner, 1)[:, :dests]  # [T, W]
+        slots = torch.zeros((t, dests + 1), dtype=torch.int64, device=dev).scatter_add_(
+            1, owner, torch.ones_like(owner))[:, :dests]  # [T, W]: how many of the token's slots each one holds
+        hit = (slots > 0).to(torch.int64)
         self.counts = hit.sum(0)  # rows per destination
+        # The most slots one row carries to its destination (at most min(K, experts there) when a token's experts
+        # are distinct): with the counts, what the host reads before any row moves.
+        self.stats = torch.cat([self.counts, torch.cat([slots.reshape(-1), slots.new_zeros(1)]).max().view(1)])
         pos = hit.cumsum(0) - 1  # the token's place in its destination's block
         part = hit.cumsum(1) - 1  # the destination's place among the token's destinations
         cells = dests * capacity
@@ -92,7 +97,7 @@ class Rows:
         return t.index_select(0, self._src)
 
     def dest_ids(self) -> torch.Tensor:
-        """int32 [n, K]: the ids each row's destination computes, -1 in the slots it does not hold."""
+        """int32 [n, K]: the ids each row's destination computes, -1 in the slots it does not hold (see compact)."""
         lay = self.layout
         if lay.tokens == 0:
             return torch.full((self.n, lay.top_k), -1, dtype=torch.int32, device=self.token.device)
@@ -107,6 +112,17 @@ class Rows:
         if self.padded:
             mine &= (self.token >= 0).unsqueeze(1)
         return torch.where(mine, ids, -1).to(torch.int32)
+
+    @staticmethod
+    def compact(ids: torch.Tensor, weights: torch.Tensor, width: int):
+        """(ids, weights) [n, K] -> [n, width]: each row's live slots first, in slot order (a stable sort), the rest
+        cut. A destination holding E experts sees at most min(K, E) live slots per row when a token's experts are
+        distinct (the split path checks that before the rows move), so its engine is built for that many."""
+        k = ids.shape[1]
+        if width >= k:
+            return ids, weights
+        order = torch.sort((ids < 0).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        return ids.gather(1, order), weights.gather(1, order)
 
     # -- combine ---------------------------------------------------------------------------------------------
     def combine(self, back: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -33,9 +33,10 @@ class Transport:
     def world_size(self) -> int:
         return self.ctx.world_size
 
-    def counts(self, send_counts: torch.Tensor, header: Sequence[int] = ()) -> Tuple[List[int], List[int], list]:
-        """(send counts, receive counts, the header each rank sent) on the host. Collective."""
-        send = [int(c) for c in send_counts.tolist()]
+    def counts(self, send: Sequence[int], header: Sequence[int] = ()) -> Tuple[List[int], List[int], list]:
+        """(send counts, receive counts, the header each rank sent), the send counts read on the host already.
+        Collective."""
+        send = [int(c) for c in send]
         if self.world_size == 1:
             return send, send, [list(header)]
         width = 1 + len(header)

@@ -101,8 +101,9 @@ class TwoLevelBackend(SplitBackend):
             raise SpecError("inner", f"{self._inner!r} serves {list(entry.formats)}, not fmt {self.fmt!r}")
         d = self.domains
         s = self.spec
-        local = MoESpec(s.hidden_size, s.intermediate_size, d.domain_size * (s.num_experts // self.ctx.world_size),
-                        s.top_k, d.num_domains * s.max_tokens_per_rank, s.gate_up_clamp)
+        e_domain = d.domain_size * (s.num_experts // self.ctx.world_size)
+        local = MoESpec(s.hidden_size, s.intermediate_size, e_domain, min(s.top_k, e_domain),
+                        d.num_domains * s.max_tokens_per_rank, s.gate_up_clamp)
         problems = registry.resolve_backend(self._inner).check_spec(local, self.fmt, d.domain_size)
         if problems:
             argument, message = problems[0]
