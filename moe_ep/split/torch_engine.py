@@ -66,7 +66,9 @@ def _pairs(ids: torch.Tensor, experts: int):
     flat = ids.reshape(-1).to(torch.int64)
     key = torch.where(flat >= 0, flat, experts)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    # scatter_add, not bincount: CUDA's bincount reads its input's max on the host, which a capture cannot hold.
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key))[:experts]
     return order, torch.div(order, width, rounding_mode="floor"), counts
 
 
