@@ -18,13 +18,12 @@ the plumbing with; the device path swaps the matmuls for torch's.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
 from moe_ep.core.errors import FormatError
 from moe_ep.core.weights import QuantizedExpertWeights
-from moe_ep.formats import QuantizedActivation, packs
+from moe_ep.formats import packs
 from moe_ep.formats.codecs import FP8_ACT_BLOCK_K, FP8_WEIGHT_BLOCK, fp8_block_mm, fp8_quantize_rows
 from moe_ep.reference.ffn import swiglu
 from moe_ep.split.engine import LocalEngine
@@ -184,8 +183,7 @@ class GroupedRowwiseEngine(LocalEngine):
         n, width = ids.shape
         if n == 0:
             return out
-        e, i = self._w13.shape[0], self._w2.shape[2]
-        order, row, counts = _pairs(ids, e)
+        order, row, counts = _pairs(ids, self._w13.shape[0])
         offs = torch.cumsum(counts, 0).to(torch.int32)
         x = rows.index_select(0, row)  # every slot, the -1 ones last (past offs[-1]: no group reads them)
         xq, xs = _rowwise(x)
