@@ -6,7 +6,9 @@ slots other ranks compute) and the [N, K] routing weights, and writes each row's
 
   reference   the torch reference's FFN (moe_ep/reference/ffn.py): any format, any device; the oracle's own math.
   fused       the arch's fused kernel backend at world size 1 over the rank's experts (same numerics as the fused
-              path: same kernel, same knobs at the same capacity); CUDA.
+              path: same kernel, same knobs at the same capacity); CUDA. Rows cross in bf16 (the kernel stages them).
+  fused_fp8   the same Hopper FP8 blockwise kernel over rows that crossed already quantized (shim/sm90/split_engine.py):
+              half the bytes on the wire, the kernel's inputs unchanged.
   backend:<n> a registered backend <n> at world size 1 (the same wrapper; `fused` names the arch's own).
   torch_fp8_block128, torch_fp8_rowwise
               grouped GEMMs torch ships (moe_ep/split/torch_engine.py); their own numerics, named as such.
@@ -39,6 +41,7 @@ __all__ = ["LocalEngine", "ReferenceEngine", "BackendEngine", "ENGINES", "engine
 ENGINES: Dict[str, str] = {
     "reference": "moe_ep.split.engine:ReferenceEngine",
     "fused": "moe_ep.split.engine:BackendEngine",
+    "fused_fp8": "shim.sm90.split_engine:FusedFp8WireEngine",
     "torch_fp8_block128": "moe_ep.split.torch_engine:ScaledMMEngine",
     "torch_fp8_rowwise": "moe_ep.split.torch_engine:GroupedRowwiseEngine",
 }
@@ -173,11 +176,14 @@ class BackendEngine(LocalEngine):
 
     def __init__(self, spec, ctx, fmt, *, expert_offset: int = 0, apply_topk_in_fc1: bool = True,
                  backend: Optional[str] = None, engine_ctx: Optional[RankContext] = None,
-                 backend_options: Optional[dict] = None):
+                 backend_options: Optional[dict] = None, backend_class=None):
         super().__init__(spec, ctx, fmt, expert_offset=expert_offset, apply_topk_in_fc1=apply_topk_in_fc1)
         self.ctx_engine = engine_ctx or (ctx if ctx.world_size == 1 else RankContext.detached(0, 1, ctx.device))
-        self.backend_name = backend or kernel_backend_for(ctx.device, fmt)
-        cls = registry.resolve_backend(self.backend_name)
+        if backend_class is not None:  # a variant of a registered backend (the shim's fused_fp8 engine)
+            cls, self.backend_name = backend_class, backend_class.name
+        else:
+            self.backend_name = backend or kernel_backend_for(ctx.device, fmt)
+            cls = registry.resolve_backend(self.backend_name)
         opts = dict(backend_options or {})
         if not apply_topk_in_fc1:
             opts["apply_topk_in_fc1"] = False

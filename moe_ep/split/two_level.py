@@ -51,13 +51,19 @@ def _global_ranks(ctx: RankContext):
 
 class TwoLevelBackend(SplitBackend):
     """Options: inner (the registered backend run inside each domain; default the device arch's kernel for fmt, or
-    the torch reference on the CPU), inner_options (its constructor options), transport (as split's)."""
+    the torch reference on the CPU), inner_options (its constructor options), transport (as split's), wire ("bf16":
+    the domain's kernel quantizes its input; "fp8": rows cross quantized, Hopper FP8 blockwise only)."""
 
     name = "two_level"
     path = "two_level"
 
     def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None, *, inner: Optional[str] = None,
-                 inner_options: Optional[dict] = None, transport: str = "auto", apply_topk_in_fc1: bool = True):
+                 inner_options: Optional[dict] = None, transport: str = "auto", apply_topk_in_fc1: bool = True,
+                 wire: str = "bf16"):
+        if wire not in ("bf16", "fp8"):
+            raise SpecError("wire", f"expected 'bf16' (the domain's kernel quantizes) or 'fp8' (rows cross quantized, "
+                                    f"the Hopper FP8 kernel reads them as they are), got {wire!r}")
+        self._wire = wire
         dmap = topology.domain_map(ctx)
         if not dmap.uniform:
             raise TopologyError("backend", f"two_level needs domains of one size (a rail is one rank of each "
@@ -108,7 +114,12 @@ class TwoLevelBackend(SplitBackend):
         if problems:
             argument, message = problems[0]
             raise SpecError(argument, f"{message} (two_level's domain layer {self._inner!r})")
-        opts.update(backend=self._inner, engine_ctx=self._domain_ctx, backend_options=self._inner_options)
+        opts.update(engine_ctx=self._domain_ctx, backend_options=self._inner_options)
+        if self._wire == "fp8":  # the Hopper FP8 kernel over rows quantized at their source (shim/sm90/split_engine.py)
+            cls = engines.engine_class("fused_fp8")
+            cls.check(local, self.fmt, self.ctx.device, opts)
+            return "fused_fp8", cls, local
+        opts["backend"] = self._inner
         return f"backend:{self._inner}", engines.BackendEngine, local
 
     def _transport(self):
@@ -127,6 +138,6 @@ class TwoLevelBackend(SplitBackend):
     def describe(self) -> dict:
         d = super().describe()
         d.update(transport=f"torch.distributed all_to_all_single over rails ({self.transport_mode})",
-                 engine=f"{self._inner} over each domain", numerics=f"the format's ({self._inner} inside each domain;"
+                 engine=f"{self.engine.backend_name} over each domain", numerics=f"the format's ({self._inner} inside each domain;"
                                                                       f" partials summed across domains)")
         return d

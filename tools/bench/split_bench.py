@@ -8,7 +8,9 @@ For each T (tokens per rank; capacity T rounded up to a power of two), side by s
                  graph of one call
   split          backend="split" with the `fused` engine (the same kernel at world size 1 over the rank's experts),
                  captured (the padded, capturable exchange) and eager (exact splits: one host read of the counts);
-                 its output must equal the fused layer's bit for bit; split - fused is the split path's overhead
+                 its output must equal the fused layer's bit for bit; split - fused is the split path's overhead;
+                 also with the `fused_fp8` engine (rows quantized at the source: FP8 on the wire) and two_level over
+                 one domain (bf16 and FP8 rows), each bit for bit against the fused layer, captured
   engines        the local engines alone over the call's rows (the rows quantized, the experts computed, the slots
                  reduced): torch_fp8_block128 (torch._scaled_mm blockwise, one GEMM per expert) and torch_fp8_rowwise
                  (torch._scaled_grouped_mm), with their GEMMs alone (everything but the GEMMs already done), and
@@ -43,6 +45,10 @@ GEOMS = {
 }
 TOKENS = [512, 1024, 2048, 4096, 8192]
 TARGET_T, TARGET_PCT = 4096, 65.0
+# Paths over the fused kernel besides split's default engine (name, MoELayer arguments).
+PATHS = (("split_fp8wire", dict(backend="split", engine="fused_fp8")),
+         ("two_level", dict(backend="two_level")),
+         ("two_level_fp8wire", dict(backend="two_level", wire="fp8")))
 
 
 def _bucket(t: int) -> int:
@@ -195,6 +201,20 @@ def run(args) -> Dict[str, object]:
             split.close()
         ref = out_f.clone()
         fused.close()
+        # The other paths over the same kernel: FP8 rows on the wire (fused_fp8), and two_level over one domain (at
+        # W=1 its rail is a self-copy and its domain this GPU); each must equal the fused layer bit for bit.
+        for name, kw in PATHS:
+            if args.cpu and (kw.get("engine") == "fused_fp8" or kw.get("wire") == "fp8"):
+                continue  # the Hopper FP8 kernel
+
+            def path(name=name, kw=kw):
+                with moe_ep.MoELayer(spec, weights, **kw, **common) as lay:
+                    lay(x, idx, w, out=out_s)
+                    row[f"{name}_bitwise"] = bool(torch.equal(out_s, ref))
+                    us = clock.us(_graph(lambda: lay(x, idx, w, out=out_s), dev))
+                    row[f"{name}_bitwise_captured"] = bool(torch.equal(out_s, ref))
+                    return us
+            row[f"{name}_graph_us"] = _try(notes, f"T={t} {name}", path)
         # The local engines alone, over this call's rows (W=1: every token, all K slots local).
         local = moe_ep.MoESpec(h, i, e, k, cap)
         ids32 = idx.to(torch.int32)
@@ -250,7 +270,8 @@ def run(args) -> Dict[str, object]:
                 row["auto_scores"] = "; ".join(f"{n} {s:.0f}" for n, s in p.scores_us)
                 return clock.us(_graph(lambda: lay(x, idx, w, out=out_s), dev))
         row["auto_graph_us"] = _try(notes, f"T={t} auto", planned)
-        exact = {"fused": row.get("fused_graph_us"), "split": row.get("split_graph_us")}
+        exact = {"fused": row.get("fused_graph_us"), "split": row.get("split_graph_us"),
+                 "split_fp8wire": row.get("split_fp8wire_graph_us")}
         anyn = dict(exact, split_block128=row.get("split_block128_us"), split_rowwise=row.get("split_rowwise_us"))
         for label, pool in (("best", exact), ("best_any", anyn)):
             live = {n: v for n, v in pool.items() if isinstance(v, float) and v == v}
@@ -273,6 +294,8 @@ def run(args) -> Dict[str, object]:
 
 COLS = [("T", "{}"), ("fused_graph_us", "{:.0f}"), ("split_graph_us", "{:.0f}"), ("split_eager_us", "{:.0f}"),
         ("split_overhead_us", "{:+.0f}"), ("bitwise", "{}"), ("bitwise_captured", "{}"),
+        ("split_fp8wire_graph_us", "{:.0f}"), ("split_fp8wire_bitwise", "{}"), ("two_level_graph_us", "{:.0f}"),
+        ("two_level_bitwise", "{}"), ("two_level_fp8wire_graph_us", "{:.0f}"), ("two_level_fp8wire_bitwise", "{}"),
         ("engine_fp8_block128_us", "{:.0f}"), ("gemm_block128_us", "{:.0f}"), ("split_fp8_block128_us", "{:.0f}"),
         ("err_fp8_block128", "{:.3f}"), ("engine_fp8_rowwise_us", "{:.0f}"), ("engine_fp8_rowwise_graph_us", "{:.0f}"),
         ("gemm_grouped_rowwise_us", "{:.0f}"), ("split_fp8_rowwise_us", "{:.0f}"), ("err_fp8_rowwise", "{:.3f}"),

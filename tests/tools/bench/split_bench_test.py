@@ -21,10 +21,11 @@ def test_cpu_dry_run_writes_the_report(tmp_path):
     (row,) = data["rows"]
     assert row["T"] == 16 and row["capacity"] == 16
     assert row["bitwise"] and row["bitwise_captured"] and row["auto_bitwise"]
+    assert row["two_level_bitwise"] and row["two_level_bitwise_captured"]  # the FP8-wire paths need the Hopper kernel
     assert row["auto_plan"] in ("torch_reference", "split")
     for key in ("fused_graph_us", "split_graph_us", "split_eager_us", "engine_fp8_block128_us",
                 "engine_fp8_rowwise_us", "gemm_block128_us", "gemm_grouped_rowwise_us", "split_fp8_block128_us",
-                "split_fp8_rowwise_us", "auto_graph_us"):
+                "split_fp8_rowwise_us", "auto_graph_us", "two_level_graph_us"):
         assert math.isfinite(row[key]) and row[key] > 0, key
     assert 0 < row["err_fp8_block128"] < 0.07  # the FC2-input block and a bf16 FC1 output: near the format
     assert 0 < row["err_fp8_rowwise"] < 0.3  # another format altogether
