@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from moe_ep.core import op, registry, watchdog
-from moe_ep.split import hooks as split_paths
 from moe_ep.core.device import require_arch
 from moe_ep.core.dist import RankContext, run_agreed
 from moe_ep.core.errors import CapacityError, DTypeError, FormatError, LayerClosedError, SpecError, WatchdogConfigError
@@ -20,6 +19,7 @@ from moe_ep.eplb import ExpertMap, SlotRouter
 from moe_ep.eplb import placement as eplb_placement
 from moe_ep.eplb import swap as eplb_swap
 from moe_ep.formats import QuantizedWeights, check_format
+from moe_ep.split import hooks as split_paths
 
 __all__ = ["MoELayer", "AGREED_CALLS", "CHUNKING"]
 
