@@ -149,6 +149,24 @@ class _Gemms:
         r._gmm(self.yq, self.ys, r._w2, r._s2, self.offs, self.tcounts)
 
 
+def transport_facts() -> Dict[str, str]:
+    """What this host offers the transports docs/scale-out.md weighs: the NCCL torch runs, torch's symmetric-memory
+    all-to-all, and NCCL EP's Python bindings (nccl4py's nccl.ep)."""
+    import importlib.util
+
+    facts = {"torch": torch.__version__}
+    try:
+        facts["nccl (torch)"] = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.cuda.is_available() \
+            else "no CUDA"
+    except Exception as e:  # noqa: BLE001 - a fact, not a requirement
+        facts["nccl (torch)"] = f"unknown ({type(e).__name__})"
+    symm = getattr(torch.ops, "symm_mem", None)
+    facts["symm_mem.all_to_all_vdev"] = "present" if symm is not None and hasattr(symm, "all_to_all_vdev") \
+        else "absent"
+    facts["nccl.ep (nccl4py)"] = "importable" if importlib.util.find_spec("nccl") is not None else "not installed"
+    return facts
+
+
 def _try(notes: List[str], what: str, fn, default=float("nan")):
     try:
         return fn()
@@ -298,7 +316,7 @@ def run(args) -> Dict[str, object]:
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         print(_fmt(row), flush=True)
-    return dict(rows=rows, notes=notes, rates=rates, geom=args.geom, device=str(dev),
+    return dict(rows=rows, notes=notes, rates=rates, geom=args.geom, device=str(dev), transports=transport_facts(),
                 device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu")
 
 
@@ -394,6 +412,7 @@ def write(result: dict, out: str) -> None:
         f.write(f"# split path vs fused kernel, world size 1\n\n- date: {datetime.date.today().isoformat()}\n"
                 f"- device: {result['device_name']}\n- torch: {torch.__version__}\n- geometry: {result['geom']} "
                 f"{GEOMS[result['geom']]}\n")
+        f.write("- transports here: " + "; ".join(f"{k} {v}" for k, v in result["transports"].items()) + "\n")
         if result.get("rates"):
             f.write(f"- dense FP8 rate (measured): {result['rates']['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s\n")
         f.write("\n" + head + "".join(_fmt(r) + "\n" for r in rows) + "\n")
@@ -425,6 +444,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(_fmt(r))
     for line in verdict(result["rows"]) + [f"note: {n}" for n in result["notes"]]:
         print(line)
+    print("transports here: " + "; ".join(f"{k} {v}" for k, v in result["transports"].items()))
     print(f"done in {result['seconds']:.0f} s; wrote {args.out}/split_bench.{{json,csv,md,png}}")
     return 0
 

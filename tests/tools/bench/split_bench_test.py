@@ -18,6 +18,7 @@ def test_cpu_dry_run_writes_the_report(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     data = json.loads((tmp_path / "split_bench.json").read_text())
     assert data["notes"] == [], data["notes"]
+    assert set(data["transports"]) >= {"nccl (torch)", "symm_mem.all_to_all_vdev", "nccl.ep (nccl4py)"}
     (row,) = data["rows"]
     assert row["T"] == 16 and row["capacity"] == 16
     assert row["bitwise"] and row["bitwise_captured"] and row["auto_bitwise"]
