@@ -182,6 +182,36 @@ def test_torch_engines_on_the_cpu(group, engine):
     assert float(err) < 1e-2
 
 
+def test_auto_with_named_candidates_reports_what_it_chose(group, monkeypatch):
+    """A torch engine joins auto's candidates only by name, and its numerics travel with the plan."""
+    monkeypatch.setattr(plans, "_table", {})
+    weights = one_rank_weights(E, H, I, 16.0)
+    x, idx, w = _inputs(3)
+    cands = ["torch_reference", "split", "split:torch_fp8_block128"]
+    with moe_ep.MoELayer(SPEC, weights, backend="auto", fmt="fp8_block", candidates=cands, reps=1) as layer:
+        p = layer.plan
+        scores = dict(p.scores_us)
+        assert list(scores) == cands and p.source == "measured"
+        winner = min(scores, key=scores.get)
+        assert (p.backend, p.engine) == {"torch_reference": ("torch_reference", None),
+                                         "split": ("split", "reference"),
+                                         "split:torch_fp8_block128": ("split", "torch_fp8_block128")}[winner]
+        if winner == "split:torch_fp8_block128":
+            assert "1x128" in p.numerics
+        out = layer(x, idx, w)
+        check_multirank(layer, x, idx, w, out, weights=weights, tol=kernel_row_tolerance("fp8_block", I))
+    with pytest.raises(moe_ep.SpecError, match="tokens"):
+        moe_ep.MoELayer(SPEC, weights, backend="auto", tokens=SPEC.max_tokens_per_rank + 1)
+
+
+def test_two_level_takes_a_whole_group_backend_inside(group):
+    weights = one_rank_weights(E, H, I, 16.0)
+    with pytest.raises(moe_ep.SpecError, match="whole-group"):
+        moe_ep.MoELayer(SPEC, weights, backend="two_level", inner="split")
+    with pytest.raises(moe_ep.SpecError, match="wire"):
+        moe_ep.MoELayer(SPEC, weights, backend="two_level", wire="fp4")
+
+
 def test_the_plan_table_is_read_back_from_its_file(tmp_path, monkeypatch):
     path = tmp_path / "plans.json"
     monkeypatch.setenv(plans.ENV_TABLE, str(path))
