@@ -23,8 +23,8 @@ class Backend:
     name, arch ("cpu" | "sm90" | "sm100"), weight_formats (the fmt strings it accepts; the first is its
     default), input_dtypes / routing_weight_dtypes (the hidden / topk_weights dtypes forward() takes as they are,
     rounding hidden to bf16 and reading the weights as fp32 where it stages them; the layer converts any other dtype
-    it accepts before the call), allocates_output. Outputs are bf16 [T, H]. check_spec() states its capacity /
-    divisibility rules so the layer can reject a spec before any workspace is allocated. Backend options
+    it accepts before the call), allocates_output, needs_p2p. Outputs are bf16 [T, H]. check_spec() states its
+    capacity / divisibility rules so the layer can reject a spec before any workspace is allocated. Backend options
     (MoELayer(..., **options)) are the subclass's own constructor keywords.
     """
 
@@ -37,6 +37,9 @@ class Backend:
     # leaves a call without `out` to it (a kernel backend keys its in-place graphs by buffer addresses, and a
     # fresh output's address is the allocator's choice).
     allocates_output: ClassVar[bool] = False
+    # Whether it reaches its peers by P2P (one NVLink domain): a layer over several NVLink domains refuses it at
+    # construction (moe_ep/split/topology.py), and backend="auto" plans a split path there.
+    needs_p2p: ClassVar[bool] = False
 
     def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None):
         self.spec = spec
