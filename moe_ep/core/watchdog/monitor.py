@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from moe_ep.core.watchdog import alarm, events, store, verdict
+from moe_ep.core.watchdog import alarm, events, sequence, store, verdict
 from moe_ep.core.watchdog.bound import HEARTBEAT_S, POLL_S, STORE_TIMEOUT_S
 from moe_ep.core.watchdog.ring import DEVICE, Ring, _monotonic
 
@@ -52,6 +52,11 @@ class Monitor(Ring):
     def add(self, w) -> None:
         with self.lock:
             self.watches.append(w)
+        self.ensure_threads()
+
+    def ensure_threads(self) -> None:
+        """Start both threads (once): with the first watch, or the first layer whose calls are logged."""
+        with self.lock:
             start = self.with_threads and not self.threads_started
             self.threads_started = self.threads_started or start
         if start:
@@ -109,9 +114,10 @@ class Monitor(Ring):
     def _heartbeat_loop(self) -> None:
         conn, failures = None, 0
         while not self.stop.is_set():
-            # Beats while a watch is open and the process group lives (after destroy_process_group, or once
-            # every layer is closed, a peer may already be gone with the store: nothing to say any more).
-            if failures < 3 and self.watches and dist.is_available() and dist.is_initialized():
+            # Beats while a watch or a logged layer is open and the process group lives (after
+            # destroy_process_group, or once every layer is closed, a peer may already be gone with the store).
+            if failures < 3 and (self.watches or any(lg.live for lg in sequence.logs())) and dist.is_available() \
+                    and dist.is_initialized():
                 try:
                     if conn is None:
                         conn = store.connect()
