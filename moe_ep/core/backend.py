@@ -35,6 +35,8 @@ class Backend:
     # leaves a call without `out` to it (a kernel backend keys its in-place graphs by buffer addresses, and a
     # fresh output's address is the allocator's choice).
     allocates_output: ClassVar[bool] = False
+    # What the layer is called (MoELayer's name, set before prepare_weights): for a backend's own messages.
+    layer_name: str = ""
 
     def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None):
         self.spec = spec

@@ -212,6 +212,7 @@ class MoELayer(LayerGeometry):
             seq_on = _sequence_option(sequence_check)
             # The backend object (kernel backends resolve their knob set here, before any workspace exists).
             be = built["backend"] = cls(slot_spec, ctx, fmt=f, **backend_options)
+            be.layer_name = self.name
             fields = dict(
                 name=self.name, position=position // 2, backend=entry.name, fmt=f,
                 **canonical(dataclasses.asdict(spec)),

@@ -158,11 +158,14 @@ class KernelBackend(Composed, LayerGeometry, Backend):
         def tune():
             raise _TuneLater
 
+        from shim.common import call_guard
+
+        guard = call_guard.enabled()  # on one rank only, it would wait for its peers' words forever
         try:
             self._resolved = self.resolve_knobs(None, tune)
         except _TuneLater:
-            return {"knobs": "auto: a collective tune"}
-        return {"knobs": self._resolved[0].to_json()}
+            return {"knobs": "auto: a collective tune", "call_guard": guard}
+        return {"knobs": self._resolved[0].to_json(), "call_guard": guard}
 
     @final
     def make_frontend(self, knobs):
@@ -182,6 +185,8 @@ class KernelBackend(Composed, LayerGeometry, Backend):
         else:
             self.frontend.load_weights(weights)
         self.frontend.compile()
+        if self.frontend.guard is not None:
+            self.frontend.guard.name(self.layer_name)
 
     @property
     def knobs(self):

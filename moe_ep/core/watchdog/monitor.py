@@ -48,6 +48,30 @@ class Monitor(Ring):
         self.with_threads = threads  # False: a test drives confirm() / check_deadlines() itself
         self.compare_sequences = alarm.enabled()
         self.answered: set = set()  # groups whose alarm this process answered after raising in the exchange
+        # Checks a backend adds (the kernels' call guard): each returns None, or (the group's log or None, the
+        # message) for ranks found out of step where no forward could raise it (a caller's graph replays).
+        self.probes: List[object] = []
+
+    def add_probe(self, probe) -> None:
+        with self.lock:
+            self.probes.append(probe)
+        self.ensure_threads()
+
+    def check_probes(self) -> None:
+        for probe in list(self.probes):
+            found = probe()
+            if found is None:
+                continue
+            lg, text = found
+            with self.lock:
+                if self.tripped:
+                    return
+                self.tripped = True
+            if lg is not None:
+                lg.halting = True  # nothing of the group runs on this rank from here on
+            verdict.emit(text.rstrip("\n") + "\n  Ranks out of step cannot be put back in step from the host: this "
+                         "process ends now (exit code 86).\n")
+            verdict.end()
 
     def add(self, w) -> None:
         with self.lock:
@@ -108,6 +132,10 @@ class Monitor(Ring):
                 self.check_deadlines(_monotonic())
             except Exception as e:  # noqa: BLE001
                 report("monitor (deadlines)", e)
+            try:
+                self.check_probes()
+            except Exception as e:  # noqa: BLE001
+                report("monitor (probes)", e)
             self.last_poll = _monotonic()
             self.stop.wait(POLL_S)
 
