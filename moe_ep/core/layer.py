@@ -214,7 +214,10 @@ class MoELayer(LayerGeometry):
             be = built["backend"] = cls(slot_spec, ctx, fmt=f, **backend_options)
             be.layer_name = self.name
             fields = dict(
-                name=self.name, position=position // 2, backend=entry.name, fmt=f,
+                # The name as given (an integration's module path): a default name counts layers process-wide,
+                # and a process in several groups may count differently from its peers in this one (the position
+                # below is this group's own count).
+                name=name, position=position // 2, backend=entry.name, fmt=f,
                 **canonical(dataclasses.asdict(spec)),
                 slots=None if expert_map is None else [expert_map.num_slots, expert_map.digest()],
                 id_space=id_space if expert_map is not None else None,

@@ -11,7 +11,9 @@ import triton.language as tl
 __all__ = ["call_guard_kernel", "poison_kernel"]
 
 
-@triton.jit
+# code and n_idx vary by layer and capacity: not specialized, so one compile (in the first, uncaptured launch)
+# serves every later launch, and none happens inside a graph capture.
+@triton.jit(do_not_specialize=["code", "n_idx"])
 def call_guard_kernel(words_ptr, deltas_ptr, state_ptr, calls_ptr, idx_ptr, report_ptr, code, n_idx,
                       RANK: tl.constexpr, W: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (1,). words int64 [SLOTS, W, 2] on the symmetric heap (epoch, identity) per slot and rank; deltas int64
@@ -29,7 +31,7 @@ def call_guard_kernel(words_ptr, deltas_ptr, state_ptr, calls_ptr, idx_ptr, repo
         d = tl.load(deltas_ptr + p)
         tl.store(words_ptr + d + mine + 1, ident)
         tl.atomic_xchg(words_ptr + d + mine, epoch, sem="release", scope="sys")
-    bad = tl.zeros((), tl.int32)
+    bad = 0
     for p in tl.static_range(W):                                                # 4. every rank's word arrived
         at = words_ptr + (slot * W + p) * 2
         seen = tl.atomic_add(at, 0, sem="acquire", scope="sys")
@@ -54,7 +56,7 @@ def call_guard_kernel(words_ptr, deltas_ptr, state_ptr, calls_ptr, idx_ptr, repo
             tl.store(idx_ptr + i + offs, tl.full((BLOCK,), -1, tl.int64), mask=i + offs < n_idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def poison_kernel(out_ptr, state_ptr, n, BLOCK: tl.constexpr):
     """Grid (1,). After the kernel: a refused call's output (bf16, n elements) becomes NaN, never a number."""
     if tl.load(state_ptr + 1) != 0:                                             # 8.

@@ -128,7 +128,11 @@ def test_a_dead_peer_is_peer_lost_at_once_then_fast_and_quiet(world, kill):
                 assert res.returncode == -signal.SIGKILL, log
                 continue
             assert res.returncode == 0, log
-            assert "frame #" not in log and "Exception raised from" not in log and "Traceback" not in log, log
+            # No C++ stack from moe_ep's calls. When the store's host dies, the watchdog's heartbeat thread may be in
+            # a store call that c10d logs, once, with its stack, before anything of moe_ep runs (docs/watchdog.md).
+            stacks = log.count("Exception raised from")
+            assert "Traceback" not in log and stacks <= (1 if kill == 0 else 0), log
+            assert stacks == 0 or ("TCPStore" in log and log.count("[c10d]") == 1), log
             rec = json.loads(Path(d, f"rank{res.rank}.json").read_text())
             assert rec["wrong"] == 0 and rec["returned"] == fc.FAULT_CALL - 1, rec
             first, *later = rec["errors"]

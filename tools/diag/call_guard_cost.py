@@ -117,16 +117,21 @@ class SimulatedPeer:
         pg.words, pg.world = self.words, 2
         pg.deltas = torch.tensor([0, (self.theirs.data_ptr() - self.words.data_ptr()) // 8], dtype=torch.int64,
                                  device=dev)
+        pg.report = torch.zeros(4, dtype=torch.int64).pin_memory()  # 2 + W for the two ranks
+        pg._report = pg.report.numpy()
+        if pg._report_dev is not None:  # the guard writes a device copy here (see call_guard.Guard.before)
+            pg._report_dev = torch.zeros(4, dtype=torch.int64, device=dev)
+        pg._target = pg._report_dev if pg._report_dev is not None else pg.report
         self.reset()
 
     def reset(self) -> None:
         import torch
 
         pg = self.pg
-        for t in (self.words, self.theirs, pg.state, self.guard.calls):
-            t.zero_()
-        pg.report = torch.zeros(4, dtype=torch.int64).pin_memory()
-        pg._report = pg.report.numpy()
+        torch.cuda.synchronize(pg.device)
+        for t in (self.words, self.theirs, pg.state, self.guard.calls, pg.report, pg._report_dev):
+            if t is not None:
+                t.zero_()
         pg.raised = None
         self.fe.graphs.clear()  # the internal graphs read the tables they were captured with
 
