@@ -150,5 +150,42 @@ def test_the_switch(monkeypatch):
     assert not cg.enabled()  # the sequence check's own switch turns the guard off too
 
 
+# -- the kernel backends' part of the layers' construction agreement ----------------------------------------------
+class _Knobs:
+    def __init__(self, tile):
+        self.tile = tile
+
+    def to_json(self):
+        return {"tile": self.tile}
+
+
+class _KnobsModule:
+    tuned = []
+
+    @staticmethod
+    def resolve_knobs(knobs, *, tune, **_):
+        if knobs == "auto":  # a miss of cache and table: the collective tune decides
+            return tune(), "autotune"
+        return _Knobs(knobs or 128), "explicit" if knobs else "heuristic"
+
+
+def _backend(knobs):
+    from shim.common.backend import KernelBackend
+
+    cls = type("FakeKernelBackend", (KernelBackend,), dict(arch="sm90", knobs_module=_KnobsModule, name="fake",
+                                                           autotune=lambda self, w: _KnobsModule.tuned.append(w)))
+    return cls(moe_ep.MoESpec(256, 128, 8, 2, 16), moe_ep.RankContext.detached(0, 2), fmt="fp8_block", knobs=knobs)
+
+
+def test_a_kernel_backend_agrees_on_its_resolved_knobs_before_any_workspace():
+    be = _backend(64)
+    fields = be.agreement()
+    assert fields == {"knobs": {"tile": 64}, "call_guard": cg.enabled()}
+    assert be._resolved[1] == "explicit" and be.frontend is None  # resolved once, nothing allocated
+    auto = _backend("auto")
+    assert auto.agreement()["knobs"] == "auto: a collective tune"
+    assert auto._resolved is None and _KnobsModule.tuned == []  # the tune runs later, with the weights
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
