@@ -8,12 +8,13 @@ a rank go out mixed). The guard compares them on the device, in the launch itsel
 One guard per workspace pool (shim/common/workspace.py: one process group and device), a word table on the
 symmetric heap; in every launch of every layer of the pool, before the kernel (call_guard_kernel.py, one program):
   1. epoch: the pool's launch count, kept on the device (graph replays count: nothing is baked in at capture)
-  2. identity: (the layer's index among the pool's layers, the layer's own launch count), also on the device
-  3. written to this rank's slot of every rank's table (peer stores through the NVSHMEM deltas, release)
+  2. the word: (epoch mod 2^16, the layer's index among the pool's layers mod 2^16, the layer's own launch count
+     mod 2^32), also from the device, in one 64-bit value
+  3. stored to this rank's slot of every rank's table (one posted store a peer through the NVSHMEM deltas: a word
+     arrives whole or not at all, so no atomic and no round trip)
   4. wait until every rank's slot holds this epoch: ranks pair launches in order, as the kernel's exchange does
-  5. compare the identities
-  6. the first difference is kept (its epoch, every rank's identity, in host-mapped memory) and the guard turns
-     sticky
+  5. compare the words
+  6. the first difference is kept (its epoch, every rank's word, in host-mapped memory) and the guard turns sticky
   7. sticky: every routing id of the launch becomes -1 (no token moves; every rank still joins the kernel, so no
      rank waits for another) and the host-mapped report says "refused"
 and after the kernel:
@@ -45,7 +46,7 @@ from moe_ep.core.errors import CheckConfigError, RankDivergenceError
 from moe_ep.core.watchdog import sequence
 
 __all__ = ["ENV", "SLOTS", "DEFAULT_ON", "requested", "available", "enabled", "PoolGuard", "Guard", "attach",
-           "describe", "SimRank", "simulate_launch"]
+           "word", "describe", "SimRank", "simulate_launch"]
 
 ENV = "MOE_EP_CALL_GUARD"
 SLOTS = 4
@@ -85,13 +86,21 @@ def enabled() -> bool:
 
 
 # -- what a difference says (pure: the CPU test calls it with simulated state) --------------------------------------
-def _decode(ident: int) -> Tuple[int, int]:
-    return int(ident) >> 32, int(ident) & 0xFFFFFFFF
+def word(epoch: int, code: int, launch: int) -> int:
+    """The 64-bit word a launch writes (signed, as torch's int64 holds it)."""
+    w = ((epoch & 0xFFFF) << 48) | ((code & 0xFFFF) << 32) | (launch & 0xFFFFFFFF)
+    return w - (1 << 64) if w >= 1 << 63 else w
+
+
+def _decode(w: int) -> Tuple[int, int]:
+    """(layer code, its launch count) of a word."""
+    w = int(w) & 0xFFFFFFFFFFFFFFFF
+    return (w >> 32) & 0xFFFF, w & 0xFFFFFFFF
 
 
 def describe(report: Sequence[int], *, world: int, rank: int, ranks: Sequence[int],
              names: Dict[int, str]) -> RankDivergenceError:
-    """The error for a guard's report (refused, the first epoch that differed, every rank's identity then)."""
+    """The error for a guard's report (refused, the first epoch that differed, every rank's word then)."""
     epoch = int(report[1])
     idents = [int(v) for v in report[2:2 + world]]
     counts: Dict[int, int] = {}
@@ -126,8 +135,8 @@ class PoolGuard:
     def __init__(self, pool):
         ctx = pool.ctx
         self.ctx, self.rank, self.world, self.device = ctx, ctx.rank, ctx.world_size, pool.device
-        nbytes = SLOTS * self.world * 2 * 8
-        self.words = pool._heap_alloc(nbytes).view(torch.int64).view(SLOTS, self.world, 2)
+        nbytes = SLOTS * self.world * 8
+        self.words = pool._heap_alloc(nbytes).view(torch.int64).view(SLOTS, self.world)
         # NVSHMEM lays every rank's heap out alike: the pool's per-peer byte deltas reach this table on each peer.
         self.deltas = torch.tensor([int(o) // 8 for o in pool.peer_offsets], dtype=torch.int64, device=self.device)
         self.state = torch.zeros(2, dtype=torch.int64, device=self.device)
@@ -271,7 +280,7 @@ class SimRank:
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
-        self.words = torch.zeros(SLOTS, world, 2, dtype=torch.int64)
+        self.words = torch.zeros(SLOTS, world, dtype=torch.int64)
         self.state = torch.zeros(2, dtype=torch.int64)
         self.report = torch.zeros(2 + world, dtype=torch.int64)
         self.calls: Dict[int, int] = {}
@@ -286,21 +295,21 @@ def simulate_launch(ranks: List[SimRank], codes: Sequence[int], idx: Sequence[to
         rk.state[0] = epoch
         n = rk.calls.get(codes[r], 0) + 1
         rk.calls[codes[r]] = n
-        ident = codes[r] * 4294967296 + n                                                 # 2.
+        w = word(epoch, codes[r], n)                                                      # 2.
         slot = epoch % SLOTS
         for peer in ranks:                                                                # 3.
-            peer.words[slot, r, 1] = ident
-            peer.words[slot, r, 0] = epoch
-        mine.append((epoch, slot, ident))
+            peer.words[slot, r] = w
+        mine.append((epoch, slot, w))
     for r, rk in enumerate(ranks):
-        epoch, slot, ident = mine[r]
-        assert all(int(rk.words[slot, p, 0]) == epoch for p in range(rk.world))          # 4. (all wrote)
-        bad = any(int(rk.words[slot, p, 1]) != ident for p in range(rk.world))           # 5.
+        epoch, slot, w = mine[r]
+        tag = w >> 48
+        assert all(int(rk.words[slot, p]) >> 48 == tag for p in range(rk.world))         # 4. (all wrote)
+        bad = any(int(rk.words[slot, p]) != w for p in range(rk.world))                  # 5.
         sticky = int(rk.state[1])
         if bad:
             if sticky == 0:                                                               # 6.
+                rk.report[2:2 + rk.world] = rk.words[slot]
                 rk.report[1] = epoch
-                rk.report[2:2 + rk.world] = rk.words[slot, :, 1]
             sticky = 1
             rk.state[1] = 1
         if sticky:                                                                        # 7.

@@ -111,7 +111,7 @@ class SimulatedPeer:
         self.pg = pg = self.guard.pool
         dev = pg.device
         self.slots = call_guard.SLOTS
-        self.words = torch.zeros(self.slots, 2, 2, dtype=torch.int64, device=dev)
+        self.words = torch.zeros(self.slots, 2, dtype=torch.int64, device=dev)
         self.theirs = torch.zeros_like(self.words)  # where the layer's guard writes "to the peer"
         self.offset = torch.zeros(1, dtype=torch.int64, device=dev)
         pg.words, pg.world = self.words, 2
@@ -136,17 +136,16 @@ class SimulatedPeer:
         self.fe.graphs.clear()  # the internal graphs read the tables they were captured with
 
     def wrong(self, on: bool) -> None:
-        self.offset.fill_((1000 << 32) if on else 0)
+        self.offset.fill_(1000 if on else 0)  # another layer's code
 
     def write(self) -> None:
+        """The peer's word for the launch about to run (call_guard.word, computed on the device)."""
         import torch
 
         e = self.pg.state[:1] + 1
-        base = (torch.remainder(e, self.slots) * 2 + 1) * 2
-        ident = self.guard.calls[:1] + 1 + (self.guard.code << 32) + self.offset
-        flat = self.words.view(-1)
-        flat.index_put_((base + 1,), ident)
-        flat.index_put_((base,), e)
+        code = (self.offset + self.guard.code) & 0xFFFF
+        w = ((e & 0xFFFF) << 48) | (code << 32) | ((self.guard.calls[:1] + 1) & 0xFFFFFFFF)
+        self.words.view(-1).index_put_((torch.remainder(e, self.slots) * 2 + 1,), w)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

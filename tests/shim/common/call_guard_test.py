@@ -98,7 +98,7 @@ def test_the_host_raises_from_the_report_without_a_sync_and_marks_the_group(monk
     assert (a.code, b.code) == (1, 2) and not a.tripped and len(m.probes) == 1
     assert m.probes[0]() is None  # nothing refused: nothing to say
     # what the device writes when launch 9 differs: rank 0 in layers.1 (its 5th launch), rank 1 in layers.2 (its 4th)
-    pg.report[2], pg.report[3] = (a.code << 32) + 5, (b.code << 32) + 4
+    pg.report[2], pg.report[3] = cg.word(9, a.code, 5), cg.word(9, b.code, 4)
     pg.report[1], pg.report[0] = 9, 1
     assert a.tripped and b.tripped
     with pytest.raises(moe_ep.RankDivergenceError) as e:
@@ -127,12 +127,19 @@ def test_the_monitor_ends_the_process_when_no_forward_raises_it(monkeypatch):
     monkeypatch.setattr(cg, "_RAISE_GRACE_S", 0.0)
     pg = cg.PoolGuard(_Pool(1, 2))
     g = cg.Guard(pg)
-    pg.report[2], pg.report[3] = (g.code << 32) + 2, (g.code << 32) + 3
+    pg.report[2], pg.report[3] = cg.word(4, g.code, 2), cg.word(4, g.code, 3)
     pg.report[1], pg.report[0] = 4, 1
     m.check_probes()  # first seen: the grace starts
     assert not ended
     m.check_probes()
     assert ended == [86] and lg.halting and "out of step" in said[0] and "exit code 86" in said[0]
+
+
+def test_a_word_holds_the_epoch_layer_and_launch_and_wraps_alike_on_every_rank():
+    w = cg.word(70000, 5, (1 << 32) + 7)  # the epoch and the launch count wrap: every rank wraps them alike
+    assert w >> 48 == 70000 & 0xFFFF and cg._decode(w) == (5, 7)
+    top = cg.word(0xFFFF, 0xFFFF, 0xFFFFFFFF)
+    assert top == -1 and cg._decode(top) == (0xFFFF, 0xFFFFFFFF)  # int64 as torch holds it
 
 
 def test_the_switch(monkeypatch):
