@@ -465,9 +465,13 @@ def peer_lost(ctx: RankContext, e: BaseException, what: str) -> BaseException:
     except Exception:  # noqa: BLE001 - a group torch cannot describe: group ranks as they are
         pass
     try:
-        from moe_ep.core.watchdog import store
+        from moe_ep.core.watchdog import monitor, store
 
-        gone, note = store.gone(ranks)
+        broken = monitor._M.store_lost if monitor._M is not None else None
+        if broken:  # the heartbeat already lost the store: its host is gone; no store call (c10d logs each failure)
+            gone, note = ([0] if 0 in ranks else []), f"the heartbeat lost the process group's store ({broken})"
+        else:
+            gone, note = store.gone(ranks)
     except Exception as ex:  # noqa: BLE001 - the error must still come
         gone, note = [], f"the heartbeats could not be read ({type(ex).__name__}: {ex})"
     group_gone = [ranks.index(g) for g in gone if g in ranks]

@@ -30,6 +30,7 @@ from moe_ep.core.watchdog import monitor, sequence
 from moe_ep.testing.problems import Problem
 
 H, I, K, T = 128, 64, 2, 4
+MARK = "fault_cases: the first PeerLostError was raised"
 FAULT_CALL = 5        # the loop call the fault hits (odd: an L1 call; each layer made one warm-up call before)
 CALLS = 8             # loop calls per out-of-step case
 
@@ -261,6 +262,8 @@ def dead_peer(out_dir: str, kill_rank: int) -> None:
             rec["wrong"] += not _same(got, ref)
         except moe_ep.MoEError as e:
             rec["errors"].append(dict(_error(e, t0), loop_call=i))
+            if len(rec["errors"]) == 1:
+                print(MARK, flush=True)  # the test reads the log from here on: nothing more may come from c10d
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(rec))
     # Ends normally (the interpreter's own exit, atexit hooks included): the test checks the exit code.
 

@@ -25,8 +25,8 @@ CASES = str(Path(__file__).resolve().with_name("fault_cases.py"))
 _spec = importlib.util.spec_from_file_location("fault_cases", CASES)
 fc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fc)
-BOUND_S = 5.0          # a typed error on every rank within this of the fault
-REFUSED_S = 0.05       # a later call of a refused group: at once, no collective
+BOUND_S = 10.0         # a typed error on every rank within this of the fault (a loaded 2-core CI machine)
+REFUSED_S = 0.25       # a later call of a refused group: at once, no collective (was 2-3 s a call)
 
 # construction case -> the field the agreement must name first
 FIELDS = {"num_experts": "num_experts", "hidden_size": "hidden_size", "top_k": "top_k",
@@ -128,11 +128,13 @@ def test_a_dead_peer_is_peer_lost_at_once_then_fast_and_quiet(world, kill):
                 assert res.returncode == -signal.SIGKILL, log
                 continue
             assert res.returncode == 0, log
-            # No C++ stack from moe_ep's calls. When the store's host dies, the watchdog's heartbeat thread may be in
-            # a store call that c10d logs, once, with its stack, before anything of moe_ep runs (docs/watchdog.md).
-            stacks = log.count("Exception raised from")
-            assert "Traceback" not in log and stacks <= (1 if kill == 0 else 0), log
-            assert stacks == 0 or ("TCPStore" in log and log.count("[c10d]") == 1), log
+            # Once the first PeerLostError is raised, nothing more from c10d: no C++ stack, whatever the later calls
+            # do. Before it, when the store's host dies, the watchdog's own store calls in flight at that moment may
+            # be logged by c10d (docs/watchdog.md); with another rank dead, nothing at all.
+            assert "Traceback" not in log and fc.MARK in log, log
+            after = log.split(fc.MARK, 1)[1]
+            assert "[c10d]" not in after and "Exception raised from" not in after, log
+            assert kill == 0 or "[c10d]" not in log, log
             rec = json.loads(Path(d, f"rank{res.rank}.json").read_text())
             assert rec["wrong"] == 0 and rec["returned"] == fc.FAULT_CALL - 1, rec
             first, *later = rec["errors"]

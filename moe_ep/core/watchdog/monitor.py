@@ -42,6 +42,7 @@ class Monitor(Ring):
         self.last_poll = _monotonic()
         self.beat = 0
         self.store_error: Optional[str] = None
+        self.store_lost: Optional[str] = None  # the heartbeat gave the store up for good (its host is gone)
         self.threads_started = False
         self.stop = threading.Event()
         self.threads: List[threading.Thread] = []
@@ -158,6 +159,8 @@ class Monitor(Ring):
                     # c10d logs every failed store call with a stack: after a broken connection, stop for good.
                     self.store_error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                     failures = 3 if isinstance(e, getattr(dist, "DistNetworkError", ())) else failures + 1
+                    if failures >= 3:
+                        self.store_lost = self.store_error
             # The monitor thread is stuck (e.g. in a driver call): decide from what it last confirmed.
             if _monotonic() - self.last_poll > max(2.0, 10 * POLL_S):
                 try:

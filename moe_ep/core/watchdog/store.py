@@ -54,11 +54,16 @@ def store_address() -> Optional[Tuple[str, int]]:
 
 
 def _accepts(addr: Tuple[str, int], timeout_s: float = 1.0) -> bool:
-    """Whether the store's host accepts a TCP connection at all (a plain socket: c10d's own client retries a refused
-    connection for its whole timeout and logs each try with a C++ stack)."""
+    """Whether the store's host serves connections (a plain socket: c10d's own client retries a refused connection
+    for its whole timeout and logs each try with a C++ stack). A live store waits for its client to speak first; a
+    dying one's socket may still accept, then closes it at once."""
     try:
-        with socket.create_connection(addr, timeout=timeout_s):
-            return True
+        with socket.create_connection(addr, timeout=timeout_s) as s:
+            s.settimeout(0.05)
+            try:
+                return s.recv(1) != b""
+            except socket.timeout:
+                return True
     except OSError:
         return False
 
