@@ -300,7 +300,8 @@ def _disagree(ctx: RankContext, fields: Dict[str, Any], what: str, subject: str)
         dist.all_gather_object(gathered, fields, group=ctx.group)
     except RuntimeError as e:
         raise peer_lost(ctx, e, f"the agreement on {what}") from None
-    names = sorted({k for g in gathered for k in g}, key=lambda k: (list(fields).index(k) if k in fields else 1 << 30, k))
+    order = list(fields)
+    names = sorted({k for g in gathered for k in g}, key=lambda k: (order.index(k) if k in order else 1 << 30, k))
     differ = [k for k in names if len({json.dumps(g.get(k), sort_keys=True) for g in gathered}) > 1]
     values = {k: {r: g.get(k) for r, g in enumerate(gathered)} for k in differ}
     # The reference: the largest group of ranks holding the same values (ties: the one with the lowest rank).

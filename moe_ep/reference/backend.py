@@ -108,9 +108,9 @@ class TorchReferenceBackend(Backend):
         idx = topk_idx.reshape(-1).to(torch.int64)
         bad = None
         if idx.numel() and int(idx.max()) >= spec.num_experts:
-            bad = ExpertIndexError("topk_idx", f"expert ids must be < num_experts={spec.num_experts}, got "
-                                               f"{int(idx.max())} (this call's ids were not checked: check_values off); "
-                                               "this rank took part with no tokens, its peers' outputs are right")
+            bad = ExpertIndexError("topk_idx", (
+                f"expert ids must be < num_experts={spec.num_experts}, got {int(idx.max())} (this call's ids were not "
+                "checked: check_values off); this rank took part with no tokens, its peers' outputs are right"))
         # A -1 slot names no expert: it is sent nowhere and its term stays zero (a row of -1 comes back zero).
         live = (idx >= 0).nonzero().squeeze(1) if bad is None else idx[:0]
         dest = torch.div(idx[live], e_local, rounding_mode="floor")
@@ -150,9 +150,9 @@ class TorchReferenceBackend(Backend):
                               enumerate(widths))
             err = RankDivergenceError(None, (
                 f"the ranks' {what} in this exchange are of different widths ({shown}): layers of different geometry "
-                "meet in one exchange, so the ranks are out of step (the sequence check, which would name the calls, is "
-                "off for this layer) and nothing of this call was exchanged; every later call of this group raises this "
-                "error (rebuild the group or restart the job)"), ranks=out)
+                "meet in one exchange, so the ranks are out of step (the sequence check, which would name the calls, "
+                "is off for this layer) and nothing of this call was exchanged; every later call of this group raises "
+                "this error (rebuild the group or restart the job)"), ranks=out)
             if self._seq is not None:
                 self._seq.mark(err)
             raise err

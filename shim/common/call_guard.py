@@ -121,9 +121,10 @@ def describe(report: Sequence[int], *, world: int, rank: int, ranks: Sequence[in
     text = (f"the ranks of the group of global ranks [{', '.join(str(g) for g in ranks)}] fell out of step at the "
             f"kernels' launch {epoch} of this group: {where}. Out of step: "
             f"{', '.join(f'rank {r}' for r in out)} (against {against}); layers involved: "
-            f"{', '.join(repr(n) for n in layers)}. Seen on the device by the call guard before that launch's exchange: "
-            "no token of it moved and its output is NaN, as is every later launch's; every later call of this group "
-            "raises this error (the ranks cannot be put back in step: rebuild the group or restart the job).")
+            f"{', '.join(repr(n) for n in layers)}. Seen on the device by the call guard before that launch's "
+            "exchange: no token of it moved and its output is NaN, as is every later launch's; every later call of "
+            "this group raises this error (the ranks cannot be put back in step: rebuild the group or restart the "
+            "job).")
     return RankDivergenceError(None, text, ranks=out, call=epoch, layers=layers, seen=seen)
 
 

@@ -285,7 +285,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         cells = []
         for key, _ in cols:
             v = r.get(key)
-            cells.append(f"{v:.2f}" if isinstance(v, float) else ("yes" if v is True else "NO" if v is False else str(v)))
+            shown = "yes" if v is True else "NO" if v is False else str(v)
+            cells.append(f"{v:.2f}" if isinstance(v, float) else shown)
         print("| " + " | ".join(cells) + " |")
     worst = max(max(r["eager_cost_us"], r["graph_cost_us"]) for r in rows)
     ok = all(r["refused_eager"] and r["refused_graph"] and r["same_output"] for r in rows)
