@@ -10,7 +10,7 @@ import torch
 
 from moe_ep.core import op, registry, watchdog
 from moe_ep.core.device import require_arch
-from moe_ep.core.dist import RankContext, all_reduce_max, canonical, check_group, run_agreed
+from moe_ep.core.dist import RankContext, all_reduce_max, canonical, run_agreed
 from moe_ep.core.errors import (CapacityError, CheckConfigError, DeviceUnavailableError, DTypeError, FormatError,
                                 LayerClosedError, ProcessGroupError, SpecError, UnknownArgumentError,
                                 WatchdogConfigError)
