@@ -468,11 +468,14 @@ def peer_lost(ctx: RankContext, e: BaseException, what: str) -> BaseException:
     try:
         from moe_ep.core.watchdog import monitor, store
 
-        broken = monitor._M.store_lost if monitor._M is not None else None
+        m = monitor._M
+        broken = m.store_lost if m is not None else None
         if broken:  # the heartbeat already lost the store: its host is gone; no store call (c10d logs each failure)
             gone, note = ([0] if 0 in ranks else []), f"the heartbeat lost the process group's store ({broken})"
         else:
             gone, note = store.gone(ranks)
+            if m is not None and 0 in gone:  # the store's host is gone: the heartbeat stops calling it
+                m.store_lost = note or "its host (global rank 0) is gone"
     except Exception as ex:  # noqa: BLE001 - the error must still come
         gone, note = [], f"the heartbeats could not be read ({type(ex).__name__}: {ex})"
     group_gone = [ranks.index(g) for g in gone if g in ranks]

@@ -8,7 +8,7 @@ on and off x layers of the same and of another geometry), an unwatched call, a b
 on, device="cpu:0". One launch per world size kills a rank inside a call of a chunking="agree" layer (rank 1 of 2;
 rank 0 of 3, the store's host). Every output every rank returned is compared, byte for byte, with the fault-free
 output: the matrix asserts 0 wrong outputs, a typed error on every rank within the bound, the culprit named, nothing
-left built, and every exit code (no abort, no C++ stack in any log). About 30-40 s on 2 idle cores."""
+left built, and every exit code (no abort; no C++ stack from any later call). 100-125 s on a shared 2-core machine."""
 
 import importlib.util
 import json
@@ -128,13 +128,12 @@ def test_a_dead_peer_is_peer_lost_at_once_then_fast_and_quiet(world, kill):
                 assert res.returncode == -signal.SIGKILL, log
                 continue
             assert res.returncode == 0, log
-            # Once the first PeerLostError is raised, nothing more from c10d: no C++ stack, whatever the later calls
-            # do. Before it, when the store's host dies, the watchdog's own store calls in flight at that moment may
-            # be logged by c10d (docs/watchdog.md); with another rank dead, nothing at all.
+            # The later calls print nothing: each is the same PeerLostError, raised at once. With another rank dead,
+            # nothing of c10d at all. When the store's host dies, the watchdog's heartbeat may be in (or about to make)
+            # a store call at that moment, which c10d logs once with its stack (docs/watchdog.md); never one a call.
             assert "Traceback" not in log and fc.MARK in log, log
-            after = log.split(fc.MARK, 1)[1]
-            assert "[c10d]" not in after and "Exception raised from" not in after, log
-            assert kill == 0 or "[c10d]" not in log, log
+            assert log.count("[c10d]") <= (1 if kill == 0 else 0), log
+            assert log.count("[c10d]") == log.count("Exception raised from") == log.count("TCPStore.cpp"), log
             rec = json.loads(Path(d, f"rank{res.rank}.json").read_text())
             assert rec["wrong"] == 0 and rec["returned"] == fc.FAULT_CALL - 1, rec
             first, *later = rec["errors"]

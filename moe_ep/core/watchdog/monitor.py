@@ -145,8 +145,8 @@ class Monitor(Ring):
         while not self.stop.is_set():
             # Beats while a watch or a logged layer is open and the process group lives (after
             # destroy_process_group, or once every layer is closed, a peer may already be gone with the store).
-            if failures < 3 and (self.watches or any(lg.live for lg in sequence.logs())) and dist.is_available() \
-                    and dist.is_initialized():
+            if failures < 3 and not self.store_lost and (self.watches or any(lg.live for lg in sequence.logs())) \
+                    and dist.is_available() and dist.is_initialized():
                 try:
                     if conn is None:
                         conn = store.connect()
