@@ -122,6 +122,12 @@ class SimulatedPeer:
         if pg._report_dev is not None:  # the guard writes a device copy here (see call_guard.Guard.before)
             pg._report_dev = torch.zeros(4, dtype=torch.int64, device=dev)
         pg._target = pg._report_dev if pg._report_dev is not None else pg.report
+        # One launch of the two-rank guard outside any capture (its kernels compile for W=2 here, never inside the
+        # layer's graph captures), with the peer's word in place so it does not wait; then everything from zero.
+        self.write()
+        self.guard.before(self.fe.topk_idx, self.fe.topk_idx.numel())
+        self.guard.after(self.fe.out_buf)
+        torch.cuda.synchronize(dev)
         self.reset()
 
     def reset(self) -> None:
