@@ -23,6 +23,7 @@ from moe_ep.eplb import ExpertMap, SlotRouter
 from moe_ep.eplb import placement as eplb_placement
 from moe_ep.eplb import swap as eplb_swap
 from moe_ep.formats import QuantizedWeights, check_format
+from moe_ep.split import hooks as split_paths
 
 __all__ = ["MoELayer", "AGREED_CALLS", "CHUNKING"]
 
@@ -114,7 +115,9 @@ def _quietly(fn) -> None:
 class MoELayer(LayerGeometry):
     """An expert-parallel MoE layer over a process group.
 
-    backend: None / "auto" picks by the device's arch (and fmt, if given); or a registered name.
+    backend: None picks by the device's arch (and fmt, if given); "auto" measures the paths the group can run (the
+      fused kernel, "split", "two_level" across NVLink domains) and keeps the fastest (docs/scale-out.md); or a
+      registered name. `plan` reports what runs.
     fmt: the quantization format (see moe_ep.FORMATS); None takes the backend's default.
     Every call checks types, shapes, dtypes, devices and contiguity (one host expression, ~1 us). The costly checks
     follow a schedule (docs/api.md, "Checks"; $MOE_EP_CHECKS=all turns both on for every call, =off turns the
@@ -173,6 +176,7 @@ class MoELayer(LayerGeometry):
         self.ctx = ctx
         # Taken on every rank before anything can fail, so names and positions stay aligned across ranks.
         self.name, position, log = watchdog.layer_identity(name, ctx.group)
+        domains = split_paths.domain_map(ctx)  # collective (once per group): before anything can fail locally
         built = {}
 
         def resolve():
@@ -183,16 +187,17 @@ class MoELayer(LayerGeometry):
             if name is not None and (not isinstance(name, str) or not name):
                 raise SpecError("name", f"expected None or a non-empty string, got {name!r}")
             f_in = weights.fmt if fmt is None and isinstance(weights, QuantizedExpertWeights) else fmt
-            if backend is None or backend == "auto":
+            if backend is None:
                 entry = registry.select_backend(registry.detect_arch(ctx.device), f_in)
             else:
                 entry = registry.get_entry(backend)
                 if entry.arch != "cpu":  # a kernel backend named on a device of another arch (or the CPU)
                     require_arch(ctx.device, entry.arch, entry.name)
-            f = entry.default_format if f_in is None else check_format(f_in)
+            f = split_paths.default_format(entry, ctx.device) if f_in is None else check_format(f_in)
             if f not in entry.formats:
                 raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {f!r}")
             cls = registry.resolve_backend(entry.name)
+            split_paths.check_topology(cls, entry.name, domains)
             served = getattr(cls, "weight_formats", entry.formats)
             if f not in served:
                 raise FormatError("fmt", f"backend {entry.name!r} ({cls.__name__}) serves {list(served)}, not {f!r}")
@@ -295,6 +300,13 @@ class MoELayer(LayerGeometry):
     def id_space(self) -> str:
         """What topk_idx holds: "logical" (mapped by the layer, or no map at all) or "physical" (slot ids)."""
         return "logical" if self._eplb is None or self._eplb.expert_map is None else self._eplb.id_space
+
+    @property
+    def plan(self):
+        """What this layer runs (moe_ep.split.plan.Plan): the path, the backend, the engine and transport of a split
+        path, the group's NVLink domains, and whether auto measured it, read it from the plan table, or the layer
+        was built with it by name."""
+        return split_paths.plan_of(self)
 
     @property
     def watch(self):

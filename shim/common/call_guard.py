@@ -50,9 +50,12 @@ __all__ = ["ENV", "SLOTS", "DEFAULT_ON", "requested", "available", "enabled", "P
 
 ENV = "MOE_EP_CALL_GUARD"
 SLOTS = 4
-# Default on: the cost the brief allows is <= 3 us a call at T=1 and T=128 (eager and in a graph, W=1), measured by
-# tools/diag/call_guard_cost.py; docs/watchdog.md holds the numbers behind it.
-DEFAULT_ON = True
+# Off by default: the rule is on when it costs <= 3 us a call at T=1 and T=128, eager and in a graph; the H200 measured
+# 4.0-7.4 us (tools/diag/call_guard_cost.py; docs/watchdog.md holds the numbers). $MOE_EP_CALL_GUARD=1 turns it on.
+DEFAULT_ON = False
+# A group of one cannot fall out of step: no guard there (a split path's local kernel, a one-GPU job), unless the cost
+# diagnostic asks for one to time the protocol at W=1.
+_AT_WORLD_ONE = False
 _BLOCK = 1024
 _RAISE_GRACE_S = 1.0  # the monitor ends the process when no forward raised a tripped guard within this
 
@@ -244,8 +247,8 @@ _pools_lock = threading.Lock()
 
 def attach(frontend) -> Optional[Guard]:
     """The frontend's guard (collective: the pool's first one allocates the word table), or None when the guard is off
-    (enabled()) or the frontend is a compile-only build."""
-    if frontend.compile_only or not enabled():
+    (enabled()), the group has one rank, or the frontend is a compile-only build."""
+    if frontend.compile_only or not enabled() or (frontend.world_size == 1 and not _AT_WORLD_ONE):
         return None
     pool = frontend._pool
     with _pools_lock:

@@ -179,6 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from tools.bench.weights import random_weights
 
     dev = init_single_rank("29541")
+    call_guard._AT_WORLD_ONE = True  # the protocol's cost at W=1 (a real group of one gets no guard)
     g = GEOMS[args.geometry]
     h, i, e, k = g["hidden"], g["intermediate"], g["experts"], g["top_k"]
     weights = random_weights(g, torch.Generator().manual_seed(31), dev)
