@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from shim.common.tree_facts import TREES, TreeFacts
+from shim.common.tree_facts import DROP_PACKAGES, TREES, TreeFacts
 from tools.drop.build_child import MARK
 
 __all__ = ["RESOLVE_CAPACITIES", "COMPILE_CAPACITIES", "GEOMETRY", "Job", "Outcome", "BuildReport", "plan_jobs",
@@ -196,10 +196,34 @@ def plan_jobs(repo: Path, arch: str, pairs: Sequence[Pair], *, compile_capacitie
 # ---- running it --------------------------------------------------------------------------------
 
 
-def _child_env(tree: TreeFacts, tree_root: Path) -> Dict[str, str]:
-    env = dict(os.environ)
+# What tells a process it runs from Bazel's runfiles: the shim's tree guard takes a tree found through them as the
+# pinned one (shim/common/tree.py), so a child that inherited them would see a second tree beside the candidate.
+_RUNFILES_ENV = ("RUNFILES_DIR", "RUNFILES_MANIFEST_FILE", "RUNFILES_MANIFEST_ONLY", "PYTHON_RUNFILES", "TEST_SRCDIR",
+                 "JAVA_RUNFILES")
+
+
+def _holds_a_tree(entry: str) -> bool:
+    """A path entry that would put kernel packages on sys.path: a tree's Bazel repository (the binary's runfiles
+    carry both) or any directory holding a drop package."""
+    base = os.path.basename(os.path.normpath(entry))
+    if base in {t.repo_name for t in TREES.values()}:
+        return True
+    return any(os.path.isdir(os.path.join(entry, name)) for name in DROP_PACKAGES)
+
+
+def child_env(repo: Path, tree: TreeFacts, tree_root: Path, environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The build child's environment: exactly one kernel tree, the candidate, named by the tree's variable, whatever
+    the launcher's. `bazel run //tools:drop` puts both pinned trees on PYTHONPATH (the binary carries them as data)
+    and names its runfiles; inherited, either makes the shim's guard refuse every job (TreeConflictError) or take
+    the pinned tree for the candidate. So PYTHONPATH is the checkout first, then the launcher's entries that hold no
+    kernel package, and no runfiles variable is passed on."""
+    env = dict(os.environ if environ is None else environ)
+    for name in _RUNFILES_ENV:
+        env.pop(name, None)
     for other in TREES.values():
         env.pop(other.env_var, None)
+    kept = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e and not _holds_a_tree(e)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(repo)] + kept))
     env[tree.env_var] = str(tree_root)
     env["MOE_EP_UNPINNED_TREE"] = tree.arch  # a candidate drop matches no pin yet; the child says so on stderr
     env["CUTE_DSL_ARCH"] = tree.cute_arch
@@ -234,7 +258,7 @@ def run_build(repo: Path, tree: TreeFacts, tree_root: Path, jobs: List[Job], *, 
             out, err = Path(tmp) / f"out{n}.txt", Path(tmp) / f"err{n}.txt"
             with open(out, "w") as o, open(err, "w") as e:
                 proc = subprocess.Popen([sys.executable, "-m", "tools.drop.build_child", str(plan)], cwd=str(repo),
-                                        env=_child_env(tree, tree_root), stdout=o, stderr=e, start_new_session=True)
+                                        env=child_env(repo, tree, tree_root), stdout=o, stderr=e, start_new_session=True)
             budget = 60 + timeout_per_compile * max(1, sum(j.compile for j in chunk))
             children.append({"proc": proc, "jobs": {j.id: j for j in chunk}, "out": out, "err": err, "seen": 0,
                              "deadline": time.monotonic() + budget, "killed": False})

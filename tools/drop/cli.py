@@ -121,11 +121,16 @@ def _take_handover(args, expected_sha: Optional[str], expected_from: str) -> Non
 
 def real_tree_dir(root: Path) -> Path:
     """The directory the tree was extracted to. Bazel's runfiles are a forest of links that holds
-    only the files the BUILD globs select; a stray file sits in the real directory behind them."""
-    marker = Path(root) / "carrier.json"
-    if marker.is_symlink():
-        return marker.resolve().parent
-    return Path(root)
+    only the files the BUILD globs select (not the repository rule's carrier.json, not a stray
+    __pycache__/); a stray file sits in the real directory behind them, which is what the
+    inventory must read and what the build children must import."""
+    root = Path(root)
+    for link in sorted(root.rglob("*.py")):
+        if link.is_symlink():
+            rel = link.relative_to(root)
+            real = link.resolve()
+            return real.parents[len(rel.parts) - 1]
+    return root
 
 
 def pinned_tree_root(repo: Path, tree: TreeFacts, cache_dir: Path, explicit: Optional[str] = None,
@@ -164,7 +169,7 @@ def _old_inventory(args, repo: Path, tree: TreeFacts, against: Optional[str], ne
         if manifest.is_file():
             return load_manifest_file(manifest), f"{_pin_label(repo, tree)} (manifest)"
         return new_inv, _pin_label(repo, tree)
-    path = Path(against)
+    path = _user_path(against)
     if path.is_dir():
         return inventory_of_tree(path), str(path)
     if path.is_file() and path.suffix == ".json":
@@ -252,7 +257,8 @@ def _build(args, repo: Path, tree: TreeFacts, root: Path, result: AuditResult, s
     jobs = build_stage.plan_jobs(repo, tree.arch, result.all_pairs(), compile=not args.no_compile,
                                  compile_capacities=args.compile_capacities, drop_sha256=sha,
                                  compile_tables=args.compile_tables)
-    report = build_stage.run_build(repo, tree, root, jobs, compile_jobs=args.compile_jobs, log=_log)
+    # The directory behind Bazel's runfiles links: what the child imports is what the audit inventoried.
+    report = build_stage.run_build(repo, tree, real_tree_dir(root), jobs, compile_jobs=args.compile_jobs, log=_log)
     build_stage.apply_build(result, report)
 
 
@@ -519,7 +525,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0) and EXIT_USAGE
-    repo = Path(args.repo).resolve() if args.repo else find_repo_root()
+    repo = _user_path(args.repo).resolve() if args.repo else find_repo_root()
     if getattr(args, "sha256", None) and args.command == "audit" and not (args.version or args.wheel):
         print("tools/drop: error: --sha256 goes with --version or --wheel", file=sys.stderr)
         return EXIT_USAGE
