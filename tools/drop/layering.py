@@ -28,7 +28,7 @@ Rules:
      `sys.path = ...`, `+=`, `del`, setattr(sys, "path", ...), the same through an
      alias (`p = sys.path`, `from sys import path`), site.addsitedir. Allow-listed
      call sites: SYS_PATH_ALLOWED.
-  7. Outside shim/ and tools/launch/, no write of PYTHONPATH into an environment
+  7. Outside shim/ and PYTHONPATH_WRITERS, no write of PYTHONPATH into an environment
      (`pythonpath`: env["PYTHONPATH"] = ..., dict(os.environ, PYTHONPATH=...),
      .update / .setdefault / os.putenv, {"PYTHONPATH": ...}) except forwarding
      this interpreter's own path unchanged: os.pathsep.join(sys.path) or a
@@ -103,8 +103,13 @@ EXEMPT_FILES: Dict[str, str] = {
         "in-process, to prove shim/common/tree.py refuses a second root and an unverified tree",
 }
 
-# Where writing PYTHONPATH into a child's environment is the job (the GPU launcher).
-PYTHONPATH_WRITERS = ("tools/launch",)
+# Where writing PYTHONPATH into a child's environment is the job, with the reason.
+PYTHONPATH_WRITERS: Dict[str, str] = {
+    "tools/launch": "the GPU launcher: its ranks import what the caller's process imports",
+    "tools/drop/build_stage.py": "the drop audit's build children: it takes every kernel tree out of the launcher's "
+                                 "PYTHONPATH (bazel run's binary carries both pinned trees) and puts the checkout "
+                                 "first, so the one tree a child holds is the candidate its variable names",
+}
 
 # name -> (positional index, keyword) of the argument that names a module / a file to load.
 _IMPORT_CALLS = {"import_module": (0, "name"), "__import__": (0, "name"), "find_spec": (0, "name"),
@@ -592,7 +597,7 @@ def check_layering(repo_root: Path, kernel_names: Optional[Set[str]] = None) -> 
                                                         "the call site in tools/drop/layering.py with the reason"))
             if not any(_under(rel, d) for d in PYTHONPATH_WRITERS):
                 for line, text in _pythonpath_writes(tree):
-                    out.append(Violation(f, line, "pythonpath", f"`{text}` writes PYTHONPATH outside tools/launch/ "
+                    out.append(Violation(f, line, "pythonpath", f"`{text}` writes PYTHONPATH outside shim/ and {', '.join(PYTHONPATH_WRITERS)} "
                                                                 "(forwarding os.pathsep.join(sys.path) as is is fine)"))
 
         if _under(rel, "moe_ep"):
