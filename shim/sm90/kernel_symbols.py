@@ -35,6 +35,7 @@ _LAZY = {
     # tree has its module before anything resolves this row (shim/sm90/backend.py).
     "Sm90MegaMoESwapABMxfp4Fp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABMxfp4Fp8Kernel"),
     "MXFP4_K_TILE": ("moe_hopper_fp8.mxfp4_cutedsl", "MXFP4_K_TILE"),
+    "MXFP4_FOLD_M": ("moe_hopper_fp8.mxfp4_cutedsl", "MXFP4_FOLD_M"),
     "SymBufferHost": ("src.sym_buffer", "SymBufferHost"),
     "SfPaddingBlock": ("common.megamoe_constants", "SfPaddingBlock"),
     "Fp8E8M0SfVecSize": ("common.megamoe_constants", "Fp8E8M0SfVecSize"),

@@ -285,7 +285,8 @@ FP8_FRONTEND = textwrap.dedent(
             return ks.Sm90MegaMoEFp8Kernel, ks.SwapAB
 
         def format_kwargs(self, knobs):
-            return dict(load_balance_mode="static", fp8_accum_mode=knobs.accum_mode)
+            return dict(load_balance_mode="static", fp8_accum_mode=knobs.accum_mode, dedup_dispatch=False,
+                        fc1_store_offload=True)
 
         def activation_args(self, x):
             return dict(activation=x, activation_sf=self.scales)
