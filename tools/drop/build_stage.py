@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from shim.common.tree_facts import DROP_PACKAGES, TREES, TreeFacts
+from tools.drop import numerics
 from tools.drop.build_child import MARK
 
 __all__ = ["RESOLVE_CAPACITIES", "COMPILE_CAPACITIES", "GEOMETRY", "Job", "Outcome", "BuildReport", "plan_jobs",
@@ -62,18 +63,23 @@ class Job:
     world_size: int = 1
     source: str = "heuristic"  # or "table <key>"
     in_use: bool = True  # False: a table row measured on another drop (never used with this one)
+    numbers: bool = False  # the numerical check (tools/drop/numerics.py) instead of a resolve or a compile
+
+    @property
+    def stage(self) -> str:
+        return "numbers" if self.numbers else "compile" if self.compile else "resolve"
 
     def as_plan(self) -> dict:
         return {"id": self.id, "backend": self.backend, "fmt": self.fmt, "capacity": self.capacity,
-                "compile": self.compile, "knobs": self.knobs, "geometry": dict(GEOMETRY),
-                "world_size": self.world_size}
+                "compile": self.compile, "numbers": self.numbers, "knobs": self.knobs,
+                "geometry": dict(numerics.GEOMETRY if self.numbers else GEOMETRY), "world_size": self.world_size}
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     job: Job
     ok: bool
-    stage: str  # resolve | compile
+    stage: str  # resolve | compile | numbers
     seconds: float
     cpu_seconds: float = 0.0
     knobs: Optional[dict] = None
@@ -101,20 +107,22 @@ class BuildReport:
     def compile_seconds(self, cpu: bool = False) -> List[float]:
         return [o.cpu_seconds if cpu else o.seconds for o in self.outcomes if o.job.compile and o.ok]
 
-    def summary(self, pair: Pair) -> Tuple[str, str]:
-        """(resolve, compile) cells of the verdict table."""
+    def summary(self, pair: Pair) -> Tuple[str, str, str]:
+        """(resolve, compile, numbers) cells of the verdict table."""
         mine = [o for o in self.of(pair) if o.job.in_use]
-        res = [o for o in mine if not o.job.compile]
-        com = [o for o in mine if o.job.compile]
+        res = [o for o in mine if o.job.stage == "resolve"]
+        com = [o for o in mine if o.job.stage == "compile"]
+        num = [o for o in mine if o.job.stage == "numbers"]
         bad_res = [o.job.capacity for o in res if not o.ok]
         resolve = (f"ok ({len(res)})" if res and not bad_res else
                    f"FAIL at {_ranges(bad_res)}" if bad_res else "-")
+        numbers = "-" if not num else "FAIL" if any(not o.ok for o in num) else "ok"
         if not com:
-            return resolve, "-"
+            return resolve, "-", numbers
         bad = [o for o in com if not o.ok]
         if bad:
-            return resolve, f"FAIL ({len(bad)} of {len(com)})"
-        return resolve, f"ok ({len(com)}, {max(o.seconds for o in com):.0f} s max)"
+            return resolve, f"FAIL ({len(bad)} of {len(com)})", numbers
+        return resolve, f"ok ({len(com)}, {max(o.seconds for o in com):.0f} s max)", numbers
 
 
 def _ranges(values: Sequence[int]) -> str:
@@ -157,10 +165,11 @@ def _row_key(key: str) -> Optional[Tuple[str, int, int]]:
 
 def plan_jobs(repo: Path, arch: str, pairs: Sequence[Pair], *, compile_capacities: Sequence[int] = COMPILE_CAPACITIES,
               drop_sha256: Optional[str] = None, compile: bool = True, compile_tables: bool = False,
-              resolve_capacities: Sequence[int] = RESOLVE_CAPACITIES, tables: bool = True) -> List[Job]:
-    """The jobs of one tree: resolves for every pair at `resolve_capacities` and for every table row, compiles of
-    the heuristic at `compile_capacities` (unless not `compile`) and, with `compile_tables`, of each distinct table
-    row in use."""
+              resolve_capacities: Sequence[int] = RESOLVE_CAPACITIES, tables: bool = True,
+              numbers: bool = True) -> List[Job]:
+    """The jobs of one tree: resolves for every pair at `resolve_capacities` and for every table row, the numerical
+    check of every pair that has one (unless not `numbers`), compiles of the heuristic at `compile_capacities`
+    (unless not `compile`) and, with `compile_tables`, of each distinct table row in use."""
     jobs: List[Job] = []
 
     def add(**kw) -> None:
@@ -169,6 +178,9 @@ def plan_jobs(repo: Path, arch: str, pairs: Sequence[Pair], *, compile_capacitie
     for backend, fmt in pairs:
         for c in resolve_capacities:
             add(backend=backend, fmt=fmt, capacity=c, compile=False)
+        if numbers and (arch, fmt) in numerics.CHECKS:
+            add(backend=backend, fmt=fmt, capacity=numerics.TOKENS, compile=False, numbers=True,
+                source="numerical check")
     compiled_rows = set()
     for key, knobs, meta in _table_rows(repo, arch) if tables else ():
         parsed = _row_key(key)
@@ -232,7 +244,8 @@ def child_env(repo: Path, tree: TreeFacts, tree_root: Path, environ: Optional[Di
 
 
 def _split(jobs: List[Job], n: int) -> List[List[Job]]:
-    """Resolve jobs (milliseconds) in the first child; compiles dealt out so each child gets the same number."""
+    """Resolves (milliseconds) and numerical checks (seconds) in the first child; compiles dealt out so each child
+    gets the same number."""
     out: List[List[Job]] = [[] for _ in range(max(1, n))]
     out[0] += [j for j in jobs if not j.compile]
     for i, job in enumerate(j for j in jobs if j.compile):
@@ -248,8 +261,9 @@ def run_build(repo: Path, tree: TreeFacts, tree_root: Path, jobs: List[Job], *, 
     results: Dict[int, Outcome] = {}
     chunks = _split(jobs, compile_jobs)
     compiles = sum(1 for j in jobs if j.compile)
-    log(f"{tree.arch}: build stage: {len(jobs) - compiles} knob resolutions and {compiles} compiles in {len(chunks)} "
-        f"child process(es) against {tree_root}")
+    checks = sum(1 for j in jobs if j.numbers)
+    log(f"{tree.arch}: build stage: {len(jobs) - compiles - checks} knob resolutions, {checks} numerical checks and "
+        f"{compiles} compiles in {len(chunks)} child process(es) against {tree_root}")
     with tempfile.TemporaryDirectory(prefix="drop-build-") as tmp:
         children = []
         for n, chunk in enumerate(chunks):
@@ -277,7 +291,7 @@ def run_build(repo: Path, tree: TreeFacts, tree_root: Path, jobs: List[Job], *, 
                     why = "ran out of time" if child["killed"] else f"exited with {proc.returncode}"
                     for job in child["jobs"].values():
                         if job.id not in results:
-                            results[job.id] = Outcome(job, False, "compile" if job.compile else "resolve", 0.0,
+                            results[job.id] = Outcome(job, False, job.stage, 0.0,
                                                       error=f"the build child {why} before this job reported: {tail}")
                     children.remove(child)
     pairs = list(dict.fromkeys((j.backend, j.fmt) for j in jobs))
@@ -316,8 +330,8 @@ def build_findings(report: BuildReport):
             groups.setdefault(key, []).append(o)
     for (backend, fmt, stage, row, error, shim_site, drop_site, in_use), items in groups.items():
         caps = _ranges([o.job.capacity for o in items])
-        what = "compile" if stage == "compile" else "knob resolution and kernel build"
-        subject = f"{backend} [{fmt}] {what} at capacity {caps}"
+        what = {"compile": "compile", "numbers": "numerical check"}.get(stage, "knob resolution and kernel build")
+        subject = f"{backend} [{fmt}] {what}" + ("" if stage == "numbers" else f" at capacity {caps}")
         if row:
             subject += f" ({len(items)} shipped table row(s){'' if in_use else ', measured on another drop'})"
         detail = error + (f" (raised in the drop at {drop_site})" if drop_site else "")
