@@ -57,13 +57,14 @@ def run_job(job: dict, repo: str, tree_root: str) -> dict:
     from tools.drop import numerics
 
     out = {"id": job["id"], "ok": False, "stage": "resolve", "seconds": 0.0, "cpu_seconds": 0.0, "knobs": None,
-           "error": "", "shim_site": None, "drop_site": None}
+           "kernel": None, "error": "", "shim_site": None, "drop_site": None}
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         spec = moe_ep.MoESpec(**job["geometry"], max_tokens_per_rank=job["capacity"])
         frontend = compile_only_frontend(job["backend"], spec, fmt=job["fmt"], knobs=job["knobs"],
                                          world_size=job["world_size"])
         out["knobs"] = _knobs_dict(getattr(frontend, "knobs", None))
+        out["kernel"] = type(frontend.kernel).__name__
         if job.get("numbers"):
             out["stage"] = "numbers"
             numerics.check(frontend, repo, tree_root)

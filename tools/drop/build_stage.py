@@ -24,6 +24,7 @@ its reason; static knob-space breaks stay breaks (the tuner may pick values the 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -86,6 +87,19 @@ class Outcome:
     error: str = ""
     shim_site: Optional[str] = None
     drop_site: Optional[str] = None
+    kernel: Optional[str] = None  # the kernel class the job built
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["job"] = dataclasses.asdict(self.job)
+        return out
+
+    @staticmethod
+    def from_json(data: dict) -> "Outcome":
+        job = dict(data["job"])
+        for name in ("knobs",):
+            job[name] = job.get(name)
+        return Outcome(**{**data, "job": Job(**job)})
 
 
 @dataclasses.dataclass
@@ -95,6 +109,7 @@ class BuildReport:
     outcomes: List[Outcome]
     wall_s: float
     compile_jobs: int
+    cached: Optional[str] = None  # the cache file the verdict was read from, when it was not built again
 
     def of(self, pair: Pair) -> List[Outcome]:
         return [o for o in self.outcomes if (o.job.backend, o.job.fmt) == pair]
@@ -316,6 +331,132 @@ def _collect(child: dict, results: Dict[int, Outcome], log: Callable[[str], None
                 f"({data['seconds']:.1f} s, CPU {data['cpu_seconds']:.1f} s)")
 
 
+# ---- every kernel class a backend can select ----------------------------------------------------------
+
+
+def cover_jobs(report: BuildReport, classes: Dict[Pair, Sequence[str]], start: int) -> List[Job]:
+    """One compile for each kernel class a pair can select (its format row's kernel_classes) that no compile of the
+    report built: with the knob set of a resolve that built that class, the pair's own first, else one of another
+    pair whose knobs draw from the same knob space (the same knob-set `kernel`), e.g. a shipped table row. The
+    heuristic alone never builds Hopper's non-swap BF16 or per-tensor FP8 kernel, which the tuner and a knob cache
+    can select."""
+    compiled = {(o.job.backend, o.job.fmt, o.kernel) for o in report.outcomes if o.job.compile and o.kernel}
+    resolved = [o for o in report.outcomes if o.ok and o.kernel and o.knobs is not None and o.job.stage == "resolve"]
+    jobs: List[Job] = []
+    for pair, names in classes.items():
+        own = [o for o in resolved if (o.job.backend, o.job.fmt) == pair]
+        spaces = {o.knobs.get("kernel") for o in own}
+        for name in names:
+            if (pair[0], pair[1], name) in compiled:
+                continue
+            donors = [o for o in own if o.kernel == name] + [
+                o for o in resolved if o.kernel == name and (o.job.backend, o.job.fmt) != pair
+                and o.knobs.get("kernel") in spaces]
+            if not donors:
+                continue
+            d = donors[0]
+            jobs.append(Job(id=start + len(jobs), backend=pair[0], fmt=pair[1], capacity=d.job.capacity, compile=True,
+                            knobs=d.knobs, world_size=d.job.world_size,
+                            source=f"{name}: knobs of {d.job.backend} [{d.job.fmt}] {d.job.source} at capacity "
+                                   f"{d.job.capacity}"))
+    return jobs
+
+
+def uncovered(report: BuildReport, classes: Dict[Pair, Sequence[str]]) -> List[Tuple[Pair, str]]:
+    """(pair, kernel class) no compile of the report built (no knob set in reach selects it)."""
+    compiled = {(o.job.backend, o.job.fmt, o.kernel) for o in report.outcomes if o.job.compile and o.kernel}
+    return [(pair, n) for pair, names in classes.items() for n in names if (pair[0], pair[1], n) not in compiled]
+
+
+# ---- the verdict cache: one build per tree digest, shim and plan ------------------------------------------------
+
+CACHE_VERSION = 1
+# What the children import from the checkout: a change anywhere here can change a verdict.
+_SOURCES = ("shim", "moe_ep", "tools/drop")
+
+
+def _digest_files(root: Path, rels) -> str:
+    h = hashlib.sha256()
+    for rel in sorted(rels):
+        h.update(rel.encode() + b"\0" + hashlib.sha256((root / rel).read_bytes()).digest())
+    return h.hexdigest()
+
+
+def cache_key(repo: Path, tree: TreeFacts, tree_root: Path, jobs: Sequence[Job], classes) -> str:
+    """sha256 over the candidate tree's files, the checkout's sources the children import, the plan, and the
+    interpreter, torch and CuTe DSL versions: equal keys give equal verdicts."""
+    from importlib import metadata
+
+    tree_root, repo = Path(tree_root), Path(repo)
+    tree_files = [p.relative_to(tree_root).as_posix() for p in tree_root.rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".pyo"))]
+    sources = [p.relative_to(repo).as_posix() for d in _SOURCES for p in (repo / d).rglob("*.py")
+               if "__pycache__" not in p.parts]
+    versions = {}
+    for dist in ("torch", "nvidia-cutlass-dsl"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    blob = json.dumps({"v": CACHE_VERSION, "arch": tree.arch, "tree": _digest_files(tree_root, tree_files),
+                       "sources": _digest_files(repo, sources), "python": sys.version, "versions": versions,
+                       "cute_arch": tree.cute_arch, "jobs": [dataclasses.asdict(j) for j in jobs],
+                       "classes": sorted((list(k), list(v)) for k, v in classes.items())}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _cache_file(cache_dir: Path, arch: str, key: str) -> Path:
+    return Path(cache_dir) / "build" / f"{arch}-{key[:40]}.json"
+
+
+def _load_cached(path: Path, arch: str, pairs: List[Pair]) -> Optional[BuildReport]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        outcomes = [Outcome.from_json(o) for o in data["outcomes"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return BuildReport(arch, pairs, outcomes, float(data.get("wall_s", 0.0)), int(data.get("compile_jobs", 1)),
+                       cached=str(path))
+
+
+def _save(path: Path, report: BuildReport) -> None:
+    if any("the build child" in o.error and "before this job reported" in o.error for o in report.outcomes):
+        return  # a child that died or overran may not do so again: never keep that verdict
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"wall_s": report.wall_s, "compile_jobs": report.compile_jobs,
+                               "outcomes": [o.to_json() for o in report.outcomes]}), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_stage(repo: Path, tree: TreeFacts, tree_root: Path, jobs: List[Job], *, classes: Dict[Pair, Sequence[str]],
+              compile: bool = True, compile_jobs: int = 1, cache_dir: Optional[Path] = None, rebuild: bool = False,
+              log: Callable[[str], None] = print) -> BuildReport:
+    """The build stage of one tree: the planned jobs, then (when compiling) a compile of every kernel class a pair can
+    select that they did not build (cover_jobs). Its report is kept in `cache_dir` under cache_key, and read back
+    instead of built again while the tree, the checkout's sources and the plan are the same (a bump right after its
+    audit), unless `rebuild`."""
+    path = _cache_file(cache_dir, tree.arch, cache_key(repo, tree, tree_root, jobs, classes if compile else {})) \
+        if cache_dir is not None else None
+    pairs = list(dict.fromkeys((j.backend, j.fmt) for j in jobs))
+    if path is not None and not rebuild and path.is_file():
+        report = _load_cached(path, tree.arch, pairs)
+        if report is not None:
+            log(f"{tree.arch}: build stage: the verdict of an identical tree, shim and plan, read from the cache "
+                f"({path.parent}; --rebuild runs it again)")
+            return report
+    report = run_build(repo, tree, tree_root, jobs, compile_jobs=compile_jobs, log=log)
+    if compile:
+        more = cover_jobs(report, classes, start=len(jobs))
+        if more:
+            extra = run_build(repo, tree, tree_root, more, compile_jobs=compile_jobs, log=log)
+            report = BuildReport(tree.arch, pairs, report.outcomes + extra.outcomes, report.wall_s + extra.wall_s,
+                                 max(report.compile_jobs, extra.compile_jobs))
+    if path is not None:
+        _save(path, report)
+    return report
+
+
 # ---- what it means for the audit ----------------------------------------------------------------
 
 
@@ -340,6 +481,13 @@ def build_findings(report: BuildReport):
         out.append(("break" if in_use else "warn", subject, detail, (shim_site,) if shim_site else (),
                     ((backend, fmt),)))
     return out
+
+
+def note_skipped(result, why: str) -> None:
+    """A warning that a part of the build stage did not run (its verdict is not known): every pair."""
+    from tools.drop.audit import Finding
+
+    result.findings.append(Finding("build", "warn", "build stage not run in full", why, (), tuple(result.all_pairs())))
 
 
 def apply_build(result, report: BuildReport) -> None:

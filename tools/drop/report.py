@@ -115,7 +115,9 @@ def render_summary(result: AuditResult, markdown: bool = False) -> str:
                 f"{sum(o.job.stage == 'numbers' for o in jobs)} numerical checks, "
                 f"{sum(o.job.compile for o in jobs)} compiles")
         seconds, cpu = result.build.compile_seconds(), result.build.compile_seconds(cpu=True)
-        if not markdown and seconds:  # the report stays the same from run to run
+        if result.build.cached:
+            line += " (the verdict of an identical tree, shim and plan, from the cache: nothing ran again)"
+        elif not markdown and seconds:  # the report stays the same from run to run
             line += (f" in {result.build.wall_s:.0f} s on {result.build.compile_jobs} child process(es); compiles "
                      f"{min(seconds):.1f}-{max(seconds):.1f} s each (CPU {min(cpu):.1f}-{max(cpu):.1f} s)")
         out += [line, ""]
