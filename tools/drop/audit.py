@@ -573,8 +573,8 @@ def _judge_change(c: contract_mod.ParamChange, cls: str, method: str, sites: Lis
             return dataclasses.replace(c, status=status), Finding(
                 "signatures", status, subject, detail, _join(a.site.where for a in passing), tuple(sorted(unpinned)))
         status = "note"
-        detail += "; the shim pins it: accept the contract"
         passing = _lines_passing(sites, name, impact.stores(name, users))
+        detail += "; the shim pins it: accept the contract" if passing else "; the shim never calls it"
     elif c.change == "moved" and c.status == "break":
         passing = _positional_over(sites, c.param.split(","), old_positional)
         if not sites:
@@ -599,12 +599,14 @@ def _pins(sites: List[ArgSite]) -> List[ArgSite]:
 
 
 def _unpinned(name: str, sites: List[ArgSite], impact: _Impact, users: frozenset):
-    """(pairs among `users` for which no shim line passes `name`, the argument sites those pairs run)."""
+    """(pairs among `users` that call the method and pass `name` on no shim line, the argument sites they run)."""
     pins = _pins(sites)
     stores = impact.stores(name, users)
     missing, where = set(), []
     for pair in users:
         mine = [a for a in pins if pair in impact.hits(a.site)]
+        if not mine:
+            continue  # the pair reads the class (an attribute, a constant) but never calls it
         if any(name in a.names for a in mine) or any(pair in impact.hits(a.site) for a in stores):
             continue
         missing.add(pair)

@@ -109,6 +109,8 @@ PYTHONPATH_WRITERS: Dict[str, str] = {
     "tools/drop/build_stage.py": "the drop audit's build children: it takes every kernel tree out of the launcher's "
                                  "PYTHONPATH (bazel run's binary carries both pinned trees) and puts the checkout "
                                  "first, so the one tree a child holds is the candidate its variable names",
+    "tests/tools/drop/build_plan_test.py": "the test of that: a launcher's environment, as data handed to "
+                                           "build_stage.child_env (no process starts with it)",
 }
 
 # name -> (positional index, keyword) of the argument that names a module / a file to load.

@@ -196,6 +196,21 @@ def test_a_default_the_shim_relies_on_is_a_warning_in_its_own_audit(world):
          "drop that changes it is a break the audit names") for c in ("Sm90MegaMoEFp8Kernel", "Sm90MegaMoESwapABFp8Kernel")]
 
 
+def test_a_new_default_of_a_class_the_shim_never_calls_is_a_note(world, tmp_path):
+    repo, old = world
+    # The shim names the base class (as sm100's names an epilogue class for its constants) but never calls it.
+    synthetic.edit(repo, "shim/sm90/kernel_symbols.py", '    "Helper":', '    "BaseGemm": ("moe_hopper_fp8.base_kernel", '
+                   '"BaseGemm"),\n    "Helper":')
+    index = DropIndex(old)
+    contract_mod.save_contract(contract_mod.contract_path(repo, "sm90"),
+                               contract_mod.build_contract(index, lazy_tables(repo, "sm90"), "sm90", "1.0"))
+    result = audit_of_edits(world, tmp_path, ("moe_hopper_fp8/base_kernel.py", 'accum_mode="1xacc"):',
+                                              'accum_mode="1xacc", swiglu_limit=7.0):'))
+    assert [(f.status, f.detail) for f in result.findings if f.subject == "BaseGemm.__init__(swiglu_limit)"] == [
+        ("note", "added: new optional parameter swiglu_limit = 7.0; the shim never calls it")]
+    assert result.exit_code() == EXIT_OK
+
+
 def test_a_constructor_that_hands_kwargs_on_takes_what_its_base_takes(world, tmp_path):
     # The swap-AB class grows a constructor of its own that forwards to the FP8 one (as 0.7.4's W4A8 kernel does):
     # its own new parameter is a decision, the base's parameters stay visible, a setdefault is a new default.
