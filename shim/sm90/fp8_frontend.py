@@ -50,8 +50,9 @@ class Sm90StagedFp8Frontend(Sm90Frontend):
         ks = self.symbols()
         return dict(sf_padding_block=ks.SfPaddingBlock, ab_dtype=cutlass.Float8E4M3FN,
                     sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=self.format.scale_mode,
-                    fp8_accum_mode=self.accum_mode(knobs), dedup_dispatch=False, grouped_token_back=False,
-                    combine_format="bf16", compact_pull_buffer=True)
+                    fp8_accum_mode=self.accum_mode(knobs), grouped_token_back=False, combine_format="bf16",
+                    dedup_dispatch=knobs.exchange_kwargs().get("dedup_dispatch", False),
+                    compact_pull_buffer=knobs.exchange_kwargs().get("compact_pull_buffer", True))
 
     def stage_fused(self, x: torch.Tensor) -> None:
         """x's rows into the input buffers by the fused kernel."""

@@ -35,19 +35,24 @@ class Sm90Frontend(MegaMoEFrontend):
         import cutlass
 
         # Every argument named, those moe_ep does not expose at the values the kernels were validated with
-        # (drop 0.7.4's defaults): a drop that changes a default then changes nothing here, and the drop audit
-        # calls a new parameter with a default a break until this says which value it wants.
+        # (drop 0.7.4's defaults), the exchange knobs at the knob set's value where it fixes one: a drop that
+        # changes a default then changes nothing here, and the drop audit calls a new parameter with a default a
+        # break until this says which value it wants. The exchange knobs only some kernels take: format_kwargs.
+        ex = knobs.exchange_kwargs()
         return dict(
             mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk, use_2cta_instrs=False,
             group_hint=knobs.group_hint or self.max_active_clusters, token_padding_block=knobs.token_tile,
             load_balance_mode=knobs.load_balance_mode, static_expert_shape=self.static_expert_shape(),
-            force_static_sched=True, clc_bundle_size=None, num_sched_stages=None, acc_dtype=cutlass.Float32,
-            pingpong=knobs.pingpong, scenario="2Dx3D", world_size=self.world_size, local_rank=self.rank,
-            num_topk=self.top_k, max_tokens_per_rank=self.max_tokens_per_rank, hidden=self.hidden_size,
-            fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce, apply_topk_in_fc1=True,
+            force_static_sched=True, clc_bundle_size=None, num_sched_stages=ex.get("num_sched_stages"),
+            acc_dtype=cutlass.Float32, pingpong=knobs.pingpong, scenario="2Dx3D", world_size=self.world_size,
+            local_rank=self.rank, num_topk=self.top_k, max_tokens_per_rank=self.max_tokens_per_rank,
+            hidden=self.hidden_size, fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce, apply_topk_in_fc1=True,
             token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch,
-            flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp, fc1_store_offload=True,
-            fc1_early_done_publish=False, active_dispatch_warps=1, fold_producer_warps=True, generate_c=False,
+            flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp,
+            fc1_store_offload=ex.get("fc1_store_offload", True),
+            fc1_early_done_publish=ex.get("fc1_early_done_publish", False),
+            active_dispatch_warps=ex.get("active_dispatch_warps", 1),
+            fold_producer_warps=ex.get("fold_producer_warps", True), generate_c=False,
             tail_split_pairs=knobs.tail_split_pairs,
         )
 

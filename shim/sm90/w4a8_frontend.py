@@ -42,9 +42,10 @@ class Sm90W4A8Frontend(Sm90StagedFp8Frontend):
 
     def format_kwargs(self, knobs: Sm90Knobs):
         # The MXFP4 constructor's own arguments at the values it defaults to (the compact pull buffer off: it sets
-        # that default itself for its dispatch storage).
-        return dict(super().format_kwargs(knobs), compact_pull_buffer=False, mxfp4_fc2_tail_n8=False,
-                    mxfp4_fc1_ready_mode="tile")
+        # that default itself for its dispatch storage), the exchange knobs at the set's value where it fixes one.
+        ex = knobs.exchange_kwargs()
+        return dict(super().format_kwargs(knobs), compact_pull_buffer=ex.get("compact_pull_buffer", False),
+                    mxfp4_fc2_tail_n8=ex.get("mxfp4_fc2_tail_n8", False), mxfp4_fc1_ready_mode="tile")
 
     def check_kernel(self, kernel) -> None:
         super().check_kernel(kernel)
