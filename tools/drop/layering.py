@@ -90,10 +90,18 @@ COMPUTED_IMPORT_ALLOWED: Dict[Tuple[str, str], str] = {
         "the launcher's rank worker loads a target given as a file path (a test or tool of this repo, itself scanned)",
     ("tests/foundation/python_env_test.py", "__import__(module)"):
         "imports the locked runtime packages named in its parametrize list (numpy, cutlass, cuda.bindings, nvshmem)",
+    ("moe_ep/split/engine.py", "importlib.import_module(module)"):
+        "the split path's engine table resolves its literal 'module:attr' entries (ENGINES: moe_ep and shim modules, "
+        "named by lazy strings as the backend registry names kernel backends)",
 }
 
 # sys.path mutations outside shim/ that are allowed: (file, the statement or call as ast.unparse prints it) -> why.
-SYS_PATH_ALLOWED: Dict[Tuple[str, str], str] = {}
+SYS_PATH_ALLOWED: Dict[Tuple[str, str], str] = {
+    ("tools/bench/fi_megamoe.py", "sys.path.insert(0, str(root))"):
+        "the FlashInfer comparison bench puts FlashInfer's own package (its bundle) on the path of its own process, "
+        "on a GPU host; its kernel_src copies are drop packages under another name, which the tree guard refuses "
+        "next to ours",
+}
 
 # Files outside shim/ that rules 1 and 5-7 leave alone, each with the reason: tests whose job is to get around
 # the layering on purpose, to prove the run-time tree guard catches what this scan cannot.
