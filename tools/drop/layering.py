@@ -90,6 +90,9 @@ COMPUTED_IMPORT_ALLOWED: Dict[Tuple[str, str], str] = {
         "the launcher's rank worker loads a target given as a file path (a test or tool of this repo, itself scanned)",
     ("tests/foundation/python_env_test.py", "__import__(module)"):
         "imports the locked runtime packages named in its parametrize list (numpy, cutlass, cuda.bindings, nvshmem)",
+    ("tests/moe_ep/fault_matrix_test.py", "importlib.util.spec_from_file_location('fault_cases', CASES)"):
+        "loads its sibling fault_cases.py by file path (a test module of this repo, itself scanned), which the "
+        "launcher's rank processes import the same way",
     ("moe_ep/split/engine.py", "importlib.import_module(module)"):
         "the split path's engine table resolves its literal 'module:attr' entries (ENGINES: moe_ep and shim modules, "
         "named by lazy strings as the backend registry names kernel backends)",
