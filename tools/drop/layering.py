@@ -93,6 +93,9 @@ COMPUTED_IMPORT_ALLOWED: Dict[Tuple[str, str], str] = {
     ("tests/moe_ep/fault_matrix_test.py", "importlib.util.spec_from_file_location('fault_cases', CASES)"):
         "loads its sibling fault_cases.py by file path (a test module of this repo, itself scanned), which the "
         "launcher's rank processes import the same way",
+    ("moe_ep/split/torch_engine.py", "importlib.import_module(KERNELS[name])"):
+        "the split torch engine's optional kernels, by the lazy strings of its KERNELS table (shim.sm90.split_kernels: "
+        "a shim module, never a kernel package)",
     ("moe_ep/split/engine.py", "importlib.import_module(module)"):
         "the split path's engine table resolves its literal 'module:attr' entries (ENGINES: moe_ep and shim modules, "
         "named by lazy strings as the backend registry names kernel backends)",
