@@ -106,6 +106,10 @@ class KernelWeights:
     def check_replacement(self, qw: QuantizedWeights) -> None:
         """Refuse experts that cannot join this layout in place (a layer-wide scale they do not share)."""
 
+    @property
+    def num_experts(self) -> int:
+        return self.fc1.shape[0]  # every layout's FC1 is indexed by expert first
+
     # -- composers ---------------------------------------------------------------------------------------------
     @classmethod
     def from_bf16(cls, w13: torch.Tensor, w2: torch.Tensor, device, *, expert_offset: int = 0,

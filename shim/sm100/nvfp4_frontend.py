@@ -97,13 +97,16 @@ class Sm100Nvfp4Frontend(Sm100Frontend):
         return dict(token_padding_block=int(ks.SwapABSwigluFp4Epilogue._EpilogueTokenTileSize),
                     sf_padding_block=ks.SfPaddingBlock, sf_vec_size=ks.Nvfp4BlockSize,
                     fc2_output_dtype=cutlass.BFloat16, combine_format=ks.CombineFormat.parse("bf16"),
-                    non_ubulk_fc2_store=True, apply_topk_in_fc1=True)
+                    non_ubulk_fc2_store=True, apply_topk_in_fc1=True,
+                    in_kernel_fc2_reduce=knobs.fc2_in_kernel_topk_reduce, swiglu_alpha=None, swiglu_beta=None,
+                    situ_beta=None, situ_linear_beta=None, enable_fc1_activation_per_token_scale=False,
+                    topk_reduce_persistent=False)
 
     def input_buffers(self):
         return block_scaled_buffers(self, (self.hidden_size // 2,), torch.float4_e2m1fn_x2, torch.float8_e4m3fn)
 
     def activation_args(self, b, rows: int):
-        return block_scaled_activation_args(self, b, rows)
+        return dict(block_scaled_activation_args(self, b, rows), fc1_activation_per_token_scale=None)
 
     def weight_args(self, b, w: Sm100Nvfp4Weights):
         return dict(block_scaled_weight_args(b, w), fc1_alpha=b.tensor(w.fc1_alpha, 4),

@@ -9,7 +9,7 @@ quantizer; at compile time the frontend checks that on this device (a probe batc
 falls back to the torch quantizer, with a warning, if the bytes differ or the kernel cannot be built.
 
 The FP8 kernel's pieces the other FP8-activation formats take too (fp8_tensor, W4A8) are the module's functions
-(`fp8_kernel_class`, `fp8_kernel_kwargs`, `check_fp8_interleave`).
+(`fp8_kernel_class`, `fp8_kernel_kwargs`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from shim.sm90.frontend import Sm90Frontend
 from shim.sm90.knobs import Sm90Knobs
 from shim.sm90.weights import GATE_UP_INTERLEAVE, fp8_weight_args
 
-__all__ = ["Sm90Fp8Frontend", "Sm90Fp8Weights", "fp8_kernel_class", "fp8_kernel_kwargs", "check_fp8_interleave"]
+__all__ = ["Sm90Fp8Frontend", "Sm90Fp8Weights", "fp8_kernel_class", "fp8_kernel_kwargs"]
 
 ACT_BLOCK = codecs.FP8_ACT_BLOCK_K
 W_BLOCK = codecs.FP8_WEIGHT_BLOCK
@@ -73,20 +73,17 @@ def fp8_kernel_class(fe: Sm90Frontend, knobs: Sm90Knobs):
     return ks.Sm90MegaMoESwapABFp8Kernel if knobs.swap_ab else ks.Sm90MegaMoEFp8Kernel
 
 
-def fp8_kernel_kwargs(fe: Sm90Frontend, accum_mode: str):
-    """The FP8-activation kernels' own constructor arguments; the scale mode is the format's row's."""
+def fp8_kernel_kwargs(fe: Sm90Frontend, knobs: Sm90Knobs, accum_mode: str):
+    """The FP8-activation kernels' own constructor arguments (the scale mode is the format's row's), every one named,
+    the exchange knobs at the knob set's value where it fixes one (Sm90Frontend.kernel_kwargs says why)."""
     import cutlass
 
     ks = fe.symbols()
+    ex = knobs.exchange_kwargs()
     return dict(sf_padding_block=ks.SfPaddingBlock, ab_dtype=cutlass.Float8E4M3FN, sf_vec_size=ks.Fp8E8M0SfVecSize,
-                fp8_scale_mode=fe.row.scale_mode, fp8_accum_mode=accum_mode)
-
-
-def check_fp8_interleave(fe: Sm90Frontend) -> None:
-    ks = fe.symbols()
-    if ks.Fp8GateUpInterleave != GATE_UP_INTERLEAVE:
-        raise RuntimeError(f"drop's Fp8GateUpInterleave={ks.Fp8GateUpInterleave}, the weight packer assumes "
-                           f"{GATE_UP_INTERLEAVE}")
+                fp8_scale_mode=fe.row.scale_mode, fp8_accum_mode=accum_mode, grouped_token_back=False,
+                combine_format="bf16", dedup_dispatch=ex.get("dedup_dispatch", False),
+                compact_pull_buffer=ex.get("compact_pull_buffer", True))
 
 
 class Sm90Fp8Frontend(Sm90Frontend):
@@ -98,10 +95,7 @@ class Sm90Fp8Frontend(Sm90Frontend):
         return fp8_kernel_class(self, knobs)
 
     def format_kwargs(self, knobs: Sm90Knobs):
-        return fp8_kernel_kwargs(self, knobs.accum_mode)
-
-    def check_kernel(self, kernel) -> None:
-        check_fp8_interleave(self)
+        return fp8_kernel_kwargs(self, knobs, knobs.accum_mode)
 
     def input_buffers(self):
         c, h = self.max_tokens_per_rank, self.hidden_size

@@ -18,7 +18,7 @@ import torch
 from moe_ep.errors import FormatError
 from moe_ep.formats import QuantizedActivation, QuantizedWeights, codecs
 from shim.common.weights import KernelWeights, kernel_tensors, read_experts, round_up, store_experts
-from shim.sm90.fp8_frontend import check_fp8_interleave, fp8_kernel_class, fp8_kernel_kwargs
+from shim.sm90.fp8_frontend import fp8_kernel_class, fp8_kernel_kwargs
 from shim.sm90.frontend import Sm90Frontend
 from shim.sm90.knobs import Sm90Knobs
 from shim.sm90.weights import GATE_UP_INTERLEAVE, e8m0_placeholder, fp8_weight_args
@@ -85,10 +85,7 @@ class Sm90Fp8TensorFrontend(Sm90Frontend):
         return fp8_kernel_class(self, knobs)
 
     def format_kwargs(self, knobs: Sm90Knobs):
-        return fp8_kernel_kwargs(self, knobs.accum_mode)
-
-    def check_kernel(self, kernel) -> None:
-        check_fp8_interleave(self)
+        return fp8_kernel_kwargs(self, knobs, knobs.accum_mode)
 
     def input_buffers(self):
         c, h = self.max_tokens_per_rank, self.hidden_size

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from moe_ep.formats import QuantizedActivation, codecs
-from shim.sm90 import fp8_staging
+from shim.sm90 import fp4_layout, fp8_staging
 from shim.sm90.fp8_frontend import fp8_kernel_kwargs
 from shim.sm90.frontend import Sm90Frontend
 from shim.sm90.knobs import Sm90Knobs
@@ -38,7 +38,23 @@ class Sm90W4A8Frontend(Sm90Frontend):
         return self.symbols().Sm90MegaMoESwapABMxfp4Fp8Kernel
 
     def format_kwargs(self, knobs: Sm90Knobs):
-        return fp8_kernel_kwargs(self, "1xacc")
+        # The FP8 kernel's arguments, then the MXFP4 constructor's own at the values it defaults to (the compact pull
+        # buffer off: it sets that default itself for its dispatch storage), the exchange knobs at the set's value
+        # where it fixes one.
+        ex = knobs.exchange_kwargs()
+        return dict(fp8_kernel_kwargs(self, knobs, "1xacc"), compact_pull_buffer=ex.get("compact_pull_buffer", False),
+                    mxfp4_fc2_tail_n8=ex.get("mxfp4_fc2_tail_n8", False), mxfp4_fc1_ready_mode="tile")
+
+    def check_kernel(self, kernel) -> None:
+        super().check_kernel(kernel)
+        ks = self.symbols()
+        for where, value, mine in (("the kernel's sf_uint32_per_token", getattr(kernel, "sf_uint32_per_token", None),
+                                    SCALE_ROW),
+                                   ("mxfp4_cutedsl.MXFP4_FOLD_M", ks.MXFP4_FOLD_M, fp4_layout.FOLD_M),
+                                   ("mxfp4_cutedsl.MXFP4_K_TILE", ks.MXFP4_K_TILE, fp4_layout.FOLD_K)):
+            if value != mine:
+                raise RuntimeError(f"the drop's {where} is {value}; the W4A8 layout (shim/sm90/fp4_layout.py, this "
+                                   f"frontend's scale row) assumes {mine}")
 
     def input_buffers(self):
         c, h = self.max_tokens_per_rank, self.hidden_size
