@@ -28,7 +28,7 @@ import torch
 from moe_ep.checkpoint.report import ExactnessReport
 from moe_ep.checkpoint.tensors import expect, expect_scales, new_pack
 from moe_ep.errors import CheckpointError
-from moe_ep.formats import FORMATS, QuantizedWeights, codecs
+from moe_ep.formats import FORMATS, QuantizedWeights, codecs, format_info
 from moe_ep.formats.codecs import E2M1_VALUES, e2m1_decode, to_e4m3
 
 __all__ = ["unpack_e2m1_pairs", "modelopt_nvfp4", "gpt_oss_mxfp4", "GptOssExtras", "GPT_OSS_FORMATS",
@@ -77,7 +77,7 @@ def modelopt_nvfp4(gate: torch.Tensor, gate_scale: torch.Tensor, gate_scale_2: t
     if fmt not in NVFP4_FORMATS:
         raise CheckpointError("gate_proj.weight", f"ModelOpt NVFP4 converts exactly to {list(NVFP4_FORMATS)}, not "
                                                   f"{fmt!r}")
-    static = fmt == "nvfp4"  # static activation scales: the checkpoint's input_scale
+    static = format_info(fmt).static_activation_scales  # then the checkpoint's input_scale values are used
     if gate.dim() != 3:
         raise CheckpointError("gate_proj.weight", f"expected stacked uint8 [E, I, H/2], got {list(gate.shape)}")
     e, i, h2 = gate.shape

@@ -50,8 +50,8 @@ __all__ = ["ENV", "SLOTS", "DEFAULT_ON", "requested", "available", "enabled", "P
 
 ENV = "MOE_EP_CALL_GUARD"
 SLOTS = 4
-# Off by default: the rule is on when it costs <= 3 us a call at T=1 and T=128, eager and in a graph; the H200 measured
-# 4.0-7.4 us (tools/diag/call_guard_cost.py; docs/watchdog.md holds the numbers). $MOE_EP_CALL_GUARD=1 turns it on.
+# Off by default: the rule is on when it costs <= 3 us a call at T=1 and T=128, eager and in a graph, and it costs
+# more (tools/diag/call_guard_cost.py; docs/watchdog.md holds the numbers). $MOE_EP_CALL_GUARD=1 turns it on.
 DEFAULT_ON = False
 # A group of one cannot fall out of step: no guard there (a split path's local kernel, a one-GPU job), unless the cost
 # diagnostic asks for one to time the protocol at W=1.

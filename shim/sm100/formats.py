@@ -39,6 +39,8 @@ BACKENDS = FormatTable("sm100", cute_targets=("sm_100", "sm_103"), rows=(
         hidden_multiple=128, intermediate_multiple=64,
         kernel_module="moe_mxfp8_glu.megamoe_kernel_mxfp8",
         kernel_classes=("Sm100MegaMoEMxfp8Kernel",),
+        # Sm100MegaMoEMxfp8Kernel.__init__ raises on an in-kernel reduce with a dispatch-warp token-back.
+        reduce_token_back="epi_warps",
         frontend="shim.sm100.mxfp8_frontend:Sm100Mxfp8Frontend",
         target="shim.sm100.backend:Sm100Mxfp8Backend",
     ),
@@ -48,6 +50,9 @@ BACKENDS = FormatTable("sm100", cute_targets=("sm_100", "sm_103"), rows=(
         hidden_multiple=32, intermediate_multiple=32,
         kernel_module="moe_bf16_glu.megamoe_kernel_bf16",
         kernel_classes=("Sm100MegaMoEBf16Kernel",),
+        # FlashInfer's validity table marks BF16 + in-kernel reduce + epilogue token-back unsupported; not run
+        # here either, so refused rather than guessed.
+        reduce_token_back="dispatch",
         frontend="shim.sm100.bf16_frontend:Sm100Bf16Frontend",
         target="shim.sm100.backend:Sm100Bf16Backend",
     ),

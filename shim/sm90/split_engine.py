@@ -10,7 +10,7 @@ reads the same inputs as on the bf16 wire, and gives the same outputs.
 
 The rows' tensors are new every call, so the frontend runs without its internal graphs (a replayed graph would read
 the addresses it was captured with): inside a caller's capture that changes nothing (the launch is captured); an
-eager call pays the CuTe executor's host time (~200 us on the H200 host), small beside a prefill-sized call.
+eager call pays the CuTe executor's host time, small beside a prefill-sized call.
 """
 
 from __future__ import annotations

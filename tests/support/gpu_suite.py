@@ -5,9 +5,12 @@ the repository root, MOE_EP_ARCH set), one after the other, with a log per test 
     python -m tests.support.gpu_suite --arch sm90 --out "$OUT/gpu_suite"        # from the repository root, on the
                                                                                  # GPU host, the tree exported
     python -m tests.support.gpu_suite --arch sm90 --dry-run                      # what it would run (any host)
+    python -m tests.support.gpu_suite --arch sm90 --budget-s 400 --out "$OUT/gpu_suite"   # within a device lease
 
 The suites' own per-case JSON lines (tests/support/gpu.py CaseLog) go to <out>/<test>.rank<r>.jsonl; the verdicts to
-<out>/gpu_suite.json. --nproc sets the ranks of the multi-rank suites (MOE_EP_NPROC; default: this host's GPUs).
+<out>/gpu_suite.json, rewritten after every test so that a run cut short still leaves its verdicts. --budget-s
+caps the whole run: each test's timeout is what is left of it, and a test it leaves no time for is listed as not
+run (rc None), never passed. --nproc sets the ranks of the multi-rank suites (MOE_EP_NPROC; default: this host's GPUs).
 Exit status 0 when every test passed, 1 otherwise. A GPU test that cannot find its GPUs fails (tests/support/gpu.py):
 nothing here skips.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,6 +30,7 @@ from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ("sm90", "sm100")  # tools/bazel/py.bzl GPU_ARCHS: a gpu_py_test without `archs` runs on both
+MIN_TEST_S = 30.0  # a test started with less than this left would only time out
 
 
 def _literal(node: ast.AST, default=None):
@@ -54,6 +59,11 @@ def gpu_tests(arch: str, root: Path = ROOT) -> List[Dict]:
     return out
 
 
+def _text(b) -> str:
+    """A timed-out child's output: bytes even under text=True (subprocess hands back what it read), or None."""
+    return b.decode("utf-8", "replace") if isinstance(b, bytes) else (b or "")
+
+
 def _summary(log: str) -> str:
     """The last pytest summary line of a log ("3 passed in 41.2s", "1 failed, 2 passed ..."), else its last line."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
@@ -63,28 +73,43 @@ def _summary(log: str) -> str:
     return lines[-1][:200] if lines else "(no output)"
 
 
-def run(arch: str, out: Path, nproc: int, timeout_s: float, only: Optional[List[str]] = None) -> List[Dict]:
+def run(arch: str, out: Path, nproc: int, timeout_s: float, only: Optional[List[str]] = None,
+        budget_s: float = math.inf, root: Path = ROOT, min_test_s: float = MIN_TEST_S) -> List[Dict]:
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for test in gpu_tests(arch):
-        if only and not any(o in test["name"] for o in only):
+    rows: List[Dict] = []
+    t0 = time.monotonic()
+
+    def write() -> None:
+        (out / "gpu_suite.json").write_text(json.dumps(dict(arch=arch, nproc=nproc, tests=rows), indent=1) + "\n")
+
+    tests = gpu_tests(arch, root)
+    if only:  # in the order given: under a budget, what matters most runs first
+        tests = sorted((t for t in tests if any(o in t["name"] for o in only)),
+                       key=lambda t: next(n for n, o in enumerate(only) if o in t["name"]))
+    for test in tests:
+        left = budget_s - (time.monotonic() - t0)
+        if left < min_test_s:  # too little left to start a test: say so rather than time it out
+            rows.append(dict(test, rc=None, seconds=0.0, summary=f"not run: the {budget_s:.0f} s budget was spent"))
+            print(f"SKIP  {test['name']:<32} {0.0:7.1f} s  {rows[-1]['summary']}", flush=True)
+            write()
             continue
         env = dict(os.environ, **test["env"], MOE_EP_ARCH=arch, MOE_EP_NPROC=str(nproc),
                    MOE_EP_GPU_LOG=str(out / test["name"]))
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this one's path: the repository root on it
         start = time.monotonic()
         try:
-            proc = subprocess.run([sys.executable, test["main"]], cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s)
+            proc = subprocess.run([sys.executable, test["main"]], cwd=root, env=env, capture_output=True, text=True,
+                                  timeout=min(timeout_s, left))
             rc, log = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
-            rc, log = 124, f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {timeout_s:.0f} s"
+            rc, log = 124, f"{_text(e.stdout)}{_text(e.stderr)}\nTIMEOUT after {min(timeout_s, left):.0f} s"
         seconds = time.monotonic() - start
         (out / f"{test['name']}.log").write_text(log, encoding="utf-8")
         row = dict(test, rc=rc, seconds=round(seconds, 1), summary=_summary(log))
         rows.append(row)
         print(f"{'PASS' if rc == 0 else 'FAIL'}  {row['name']:<32} {seconds:7.1f} s  {row['summary']}", flush=True)
-    (out / "gpu_suite.json").write_text(json.dumps(dict(arch=arch, nproc=nproc, tests=rows), indent=1) + "\n")
+        write()
+    write()
     return rows
 
 
@@ -94,7 +119,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_suite"))
     ap.add_argument("--nproc", type=int, default=0, help="ranks of the multi-rank suites (default: this host's GPUs)")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per test")
-    ap.add_argument("--only", nargs="*", help="run the tests whose name contains one of these")
+    ap.add_argument("--budget-s", type=float, default=math.inf, help="the whole run (tests it leaves out: not run)")
+    ap.add_argument("--only", nargs="*", help="run the tests whose name contains one of these, in this order")
     ap.add_argument("--dry-run", action="store_true", help="list the tests and their commands, run nothing")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -107,10 +133,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         import torch
 
         nproc = max(1, torch.cuda.device_count() if torch.cuda.is_available() else 1)
-    rows = run(args.arch, Path(args.out), nproc, args.timeout_s, args.only)
+    rows = run(args.arch, Path(args.out), nproc, args.timeout_s, args.only, args.budget_s)
     failed = [r["name"] for r in rows if r["rc"] != 0]
     print(f"{len(rows) - len(failed)} of {len(rows)} {args.arch} GPU tests passed" +
-          (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+          (f"; failed or not run: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed or not rows else 0
 
 

@@ -724,6 +724,7 @@ def tune_collective(args) -> int:
 
     import moe_ep
     from moe_ep.core.dist import RankContext, init_from_env
+    from moe_ep.formats import format_info
     from shim.common.knob_cache import KnobCache, cache_key
     from shim.common.knob_table import table_key
     from shim.sm90.knobs import Sm90Knobs, heuristic_knobs
@@ -742,7 +743,7 @@ def tune_collective(args) -> int:
         h, i, e = g["hidden"], g["intermediate"], g["experts"]
         w13 = (torch.randn(e, 2 * i, h, generator=gen, device="cuda") * h ** -0.5).to(torch.bfloat16)
         cal = {}
-        if args.fmt == "fp8_tensor":
+        if format_info(args.fmt).static_activation_scales:
             from moe_ep.testing.calibration import synthetic_calibration
 
             cal = synthetic_calibration(w13, group=ctx.group)
