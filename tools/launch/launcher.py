@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,6 +123,8 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
                 kill_rank(p)
         for log in logs:
             log.close()
+        # The logs were read into the results: nothing of the launch stays in the temp dir.
+        shutil.rmtree(logdir, ignore_errors=True)
 
 
 def _spawn(cmd: Sequence[str], log_paths: Sequence[str], procs: list, logs: list, *, port: int, device: str,

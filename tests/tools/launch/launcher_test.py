@@ -1,4 +1,5 @@
-"""tools/launch: ranks get torchrun-style env, results come back in rank order, a failing rank fails the launch."""
+"""tools/launch: ranks get torchrun-style env, results come back in rank order, a failing rank fails the launch,
+and a launch leaves nothing in the temp dir."""
 
 import os
 import subprocess
@@ -57,7 +58,10 @@ def test_cli_runs_pytest_on_every_rank(tmp_path):
             assert os.environ["RANK"] == os.environ["LOCAL_RANK"]
     """))
     (tmp_path / "test_bad.py").write_text("import os\ndef test_bad():\n    assert os.environ['RANK'] == '0'\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # The launcher's own temp dir (the rank logs) must be gone after a launch, passed or failed.
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), TMPDIR=str(tmp))
     cmd = [sys.executable, "-m", "tools.launch.launcher", "--nproc", "2", "--device", "cpu", "--"]
     ok = subprocess.run(cmd + [str(tmp_path / "test_env.py"), "-q", "-p", "no:cacheprovider"], env=env,
                         capture_output=True, text=True, timeout=300)
@@ -66,6 +70,7 @@ def test_cli_runs_pytest_on_every_rank(tmp_path):
     bad = subprocess.run(cmd + [str(tmp_path / "test_bad.py"), "-q", "-p", "no:cacheprovider"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "FAILED ranks: [1]" in bad.stdout
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("moe_ep_")] == []
 
 
 if __name__ == "__main__":
