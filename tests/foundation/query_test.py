@@ -119,7 +119,8 @@ def test_no_target_depends_on_both_trees(graph):
     ours = [n for n in kinds if n.startswith("//")]
     reach = {tree: _reaches(edges, ours, _kernel_packages(kinds, tree)) for tree in TREES}
     both = sorted(n for n in reach["sm90"] & reach["sm100"] if kinds.get(n) != "test_suite")
-    fixtures = {f"{FIXTURE_PREFIX}both_trees", f"{FIXTURE_PREFIX}both_trees.one_tree"}
+    fixtures = {f"{FIXTURE_PREFIX}{name}{suffix}" for name in ("both_trees", "both_trees_through_data")
+                for suffix in ("", ".one_tree")}
     assert fixtures <= set(both), f"the query no longer sees the one-tree fixtures {sorted(fixtures)}: {both}"
     both = [n for n in both if n not in fixtures]
     assert not both, f"targets that depend on both kernel trees (one process can hold one tree): {both}"
