@@ -47,14 +47,14 @@ def test_a_target_that_runs_no_case_fails(name, detail, tmp_path):
 def test_a_file_without_a_main_block_runs_its_cases(tmp_path):
     proc = _run_fixture("no_main_block_test", tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert f"pytest_runner: 2 test case(s) ran in {FIXTURES}/no_main_block_test.py (2 passed)" in proc.stdout
+    assert f"pytest_runner: 2 test case(s) ran in {FIXTURES}/no_main_block_test.py (2 passed); " in proc.stdout
 
 
 def test_a_failing_case_fails_the_target(tmp_path):
     proc = _run_fixture("failing_case_test", tmp_path)
     assert proc.returncode == 1
     assert "this fixture fails on purpose" in proc.stdout
-    assert f"pytest_runner: 1 test case(s) ran in {FIXTURES}/failing_case_test.py (1 failed)" in proc.stdout
+    assert f"pytest_runner: 1 test case(s) ran in {FIXTURES}/failing_case_test.py (1 failed); " in proc.stdout
 
 
 STAND_IN_BAZEL = """#!/bin/bash

@@ -21,7 +21,9 @@ Also, under Bazel:
 from __future__ import annotations
 
 import os
+import resource
 import sys
+import time
 from typing import List, Optional, Tuple
 
 # Written in by py.bzl (runfiles paths: "<repository>/<path>"); left as they are when this file is run by hand.
@@ -29,7 +31,7 @@ TEST_FILE = "@TEST_FILE@"
 THIS_FILE = "@THIS_FILE@"
 
 # The line every log ends with; .ci/run and the zero-case test read it.
-SUMMARY = "pytest_runner: {ran} test case(s) ran in {file} ({detail})"
+SUMMARY = "pytest_runner: {ran} test case(s) ran in {file} ({detail}); {cost}"
 NO_CASE = ("pytest_runner: FAILED: {file} ran no test case ({detail}). A test target must run at least one case: "
            "name the test functions test_*, or fix the skip conditions.")
 NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
@@ -79,7 +81,17 @@ def _written_in() -> Optional[Tuple[str, str]]:
     return os.path.join(root, TEST_FILE), TEST_FILE.split("/", 1)[1]
 
 
+def _cost(t0: float) -> str:
+    """Wall time since the runner started, and CPU time of the process and the children it waited for (ranks,
+    compile children, nested Bazel clients): what a test's `size` and a 2-core machine's schedule need to know."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return f"{time.monotonic() - t0:.1f} s wall, {cpu:.1f} s CPU"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    t0 = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
     written = _written_in()
     if written:
@@ -102,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if code in (0, NO_TESTS_COLLECTED) and count.ran == 0:
         print(NO_CASE.format(file=shown, detail=count.detail()), flush=True)
         return 1
-    print(SUMMARY.format(ran=count.ran, file=shown, detail=count.detail()), flush=True)
+    print(SUMMARY.format(ran=count.ran, file=shown, detail=count.detail(), cost=_cost(t0)), flush=True)
     return code
 
 
