@@ -22,8 +22,8 @@ FIXTURE_PREFIX = "//tests/fixtures/visibility:"
 QUERY_FLAGS = ["--noimplicit_deps", "--keep_going=false"]
 
 
-def _query(expr, *flags):
-    proc = nested_bazel.bazel("query", [*QUERY_FLAGS, *flags, expr])
+def _query(server, expr, *flags):
+    proc = server.run("query", [*QUERY_FLAGS, *flags, expr])
     if proc.returncode != 0:
         pytest.fail(f"bazel query {expr!r} failed (exit {proc.returncode}):\n{nested_bazel.errors(proc)}", pytrace=False)
     return proc.stdout
@@ -57,17 +57,25 @@ def _universe():
 
 
 @pytest.fixture(scope="module")
-def graph():
+def server():
+    """One nested Bazel server for both queries: the second reuses the packages the first loaded."""
+    bazel = nested_bazel.Server()
+    yield bazel
+    bazel.shutdown()
+
+
+@pytest.fixture(scope="module")
+def graph(server):
     """(kind of every node, edges) of deps(//...), explicit dependencies only."""
     kinds = {}
     universe = _universe()
     everything = " + ".join([f"deps({universe})"] + [f"{prefix}:*" for prefix in TREES.values()])
-    for line in _query(everything, "--output=label_kind").splitlines():
+    for line in _query(server, everything, "--output=label_kind").splitlines():
         m = re.match(r"^(.+?) (?:rule )?(//\S*|@\S+)$", line.strip())
         if m:
             kinds[m.group(2)] = m.group(1)
     edges = collections.defaultdict(set)
-    for line in _query(f"deps({universe})", "--output=graph", "--nograph:factored").splitlines():
+    for line in _query(server, f"deps({universe})", "--output=graph", "--nograph:factored").splitlines():
         m = re.match(r'^\s*"([^"]+)"\s*->\s*"([^"]+)"', line)
         if m:
             edges[m.group(1)].add(m.group(2))

@@ -84,6 +84,12 @@ def _written_in() -> Optional[Tuple[str, str]]:
 def _cost(t0: float) -> str:
     """Wall time since the runner started, and CPU time of the process and the children it waited for (ranks,
     compile children, nested Bazel clients): what a test's `size` and a 2-core machine's schedule need to know."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    if forkserver is not None:  # tools/launch forks CPU ranks from it; stopped, it and they count as waited for
+        try:
+            forkserver._forkserver._stop()
+        except Exception:
+            pass
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime

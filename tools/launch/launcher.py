@@ -9,6 +9,11 @@ CPU, NCCL on CUDA). The command after `--` is pytest arguments, or `-m module ar
 
 From Python, launch_function() runs module:function (or path/to/file.py:function) on every rank and
 returns each rank's JSON-able return value; a failing rank raises RankFailure with every rank's output.
+Its CPU ranks are forked from a server process that has imported torch once (multiprocessing's forkserver,
+one per launching process): a fresh interpreter per rank spent 2-4 s of CPU importing torch before doing
+anything, for every rank of every launch. Each forked rank still gets its own session, environment, log and
+exit code, and runs its atexit handlers at a normal end; MOE_EP_LAUNCH_FORK=0 starts fresh interpreters
+instead. CUDA ranks and the command line always start fresh interpreters.
 
 Nothing hangs: when one rank fails the others get a grace period (they are usually blocked in a collective
 that can no longer finish) and are then killed; the whole launch has a wall-clock limit.
@@ -78,8 +83,9 @@ def _rank_env(rank: int, nproc: int, port: int, device: str, pg_timeout_s: float
 
 def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: float = 600.0,
            pg_timeout_s: float = 120.0, grace_s: float = 15.0, env: Optional[Dict[str, str]] = None,
-           cwd: Optional[str] = None) -> List[RankResult]:
-    """Run `python <argv>` as nproc ranks; returns when all have exited (or were killed)."""
+           cwd: Optional[str] = None, _fork: bool = False) -> List[RankResult]:
+    """Run `python <argv>` as nproc ranks; returns when all have exited (or were killed). (_fork: launch_function's
+    worker ranks, forked from the forkserver instead; see the module docstring.)"""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if device not in ("cpu", "cuda"):
@@ -93,7 +99,7 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
     procs, logs = [], []
     try:
         _spawn([sys.executable, *argv], [os.path.join(logdir, f"rank{r}.log") for r in range(nproc)], procs, logs,
-               port=port, device=device, pg_timeout_s=pg_timeout_s, env=env, cwd=cwd)
+               port=port, device=device, pg_timeout_s=pg_timeout_s, env=env, cwd=cwd, fork=_fork)
         deadline = time.monotonic() + timeout_s
         first_failure = None
         while True:
@@ -128,15 +134,119 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
 
 
 def _spawn(cmd: Sequence[str], log_paths: Sequence[str], procs: list, logs: list, *, port: int, device: str,
-           pg_timeout_s: float, env: Optional[Dict[str, str]], cwd: Optional[str]) -> None:
+           pg_timeout_s: float, env: Optional[Dict[str, str]], cwd: Optional[str], fork: bool = False) -> None:
     """One rank a log path, each in a session of its own (kill_rank ends it with its children); appends to procs
-    and logs as it goes, so the caller's cleanup reaches every rank started before a failure."""
+    and logs as it goes, so the caller's cleanup reaches every rank started before a failure. fork: cmd is
+    [python, worker.py, args...], and each rank is forked from the forkserver instead (see the module docstring)."""
     for r, path in enumerate(log_paths):
         log = open(path, "w+b")
         logs.append(log)
-        procs.append(subprocess.Popen(list(cmd), env=_rank_env(r, len(log_paths), port, device, pg_timeout_s, env),
-                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
-                                      start_new_session=True))
+        rank_env = _rank_env(r, len(log_paths), port, device, pg_timeout_s, env)
+        if fork:
+            procs.append(_ForkedRank.start(list(cmd[2:]), rank_env, path, cwd))
+            continue
+        procs.append(subprocess.Popen(list(cmd), env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True))
+
+
+# What the forkserver imports once, before any rank is forked from it: the expensive part of every rank's start.
+# (Not moe_ep: it reads some settings from the environment when imported, and each rank has its own.)
+_FORK_PRELOAD = ["torch"]
+
+
+def _fork_wanted(device: str) -> bool:
+    return device == "cpu" and os.environ.get("MOE_EP_LAUNCH_FORK", "1") != "0"
+
+
+def _forked_rank_main(worker_args: List[str], env: Dict[str, str], log_path: str, cwd: Optional[str]) -> None:
+    """A forked rank: what `python worker.py <worker_args>` with env, its output to log_path and a session of its
+    own would do, in a process that already holds torch."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Unbuffered like PYTHONUNBUFFERED=1 (a rank killed at the limit keeps its last lines in the log).
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    sys.argv = [_WORKER, *worker_args]
+    code = 1
+    try:
+        from tools.launch import worker
+
+        code = worker.main()
+        import atexit
+
+        atexit._run_exitfuncs()  # a normal end, as the interpreter's own exit would (moe_ep's teardown)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _short_mp_tempdir(mp_util) -> None:
+    """multiprocessing puts the forkserver's unix socket in a folder of its own under the temp dir, chosen once per
+    process; a socket path has at most 107 bytes, which a Bazel test's TMPDIR (its TEST_TMPDIR, deep in the
+    output base) alone can exceed. Choose that folder under /tmp then (multiprocessing removes it at exit)."""
+    if len(tempfile.gettempdir()) <= 48 or not os.access("/tmp", os.W_OK):
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        mp_util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+
+
+class _ForkedRank:
+    """A rank forked from the forkserver, with the part of subprocess.Popen's interface that launch() and
+    kill_rank() use."""
+
+    _context = None
+
+    def __init__(self, process):
+        self._process = process
+
+    @classmethod
+    def start(cls, worker_args: List[str], env: Dict[str, str], log_path: str, cwd: Optional[str]) -> "_ForkedRank":
+        if cls._context is None:
+            import multiprocessing
+            import multiprocessing.util
+
+            _short_mp_tempdir(multiprocessing.util)
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(_FORK_PRELOAD)
+            cls._context = ctx
+        process = cls._context.Process(target=_forked_rank_main, args=(worker_args, env, log_path, cwd), daemon=False)
+        process.start()
+        return cls(process)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+        return self._process.exitcode
 
 
 @dataclass
@@ -189,19 +299,28 @@ def launch_timed(cmd: Sequence[str], log_paths: Sequence[str], *, device: str, l
             log.close()
 
 
+def _signal(p, sig) -> None:
+    """sig to the rank's process group; to the rank alone if it has none yet (a forked rank is given its session
+    by its first statement)."""
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        os.kill(p.pid, sig)
+
+
 def kill_rank(p: subprocess.Popen, term_grace_s: float = 5.0, wait_s: float = 5.0) -> None:
     """End a rank started with start_new_session=True, children included: SIGTERM to its process group, SIGKILL
     if it is still there after term_grace_s (at once with 0); then wait up to wait_s for it to be reaped.
     Each rank leads its own session, so this reaches its children and nothing else."""
     try:
         if term_grace_s > 0:
-            os.killpg(p.pid, signal.SIGTERM)
+            _signal(p, signal.SIGTERM)
             try:
                 p.wait(timeout=term_grace_s)
                 return
             except subprocess.TimeoutExpired:
                 pass
-        os.killpg(p.pid, signal.SIGKILL)
+        _signal(p, signal.SIGKILL)
     except ProcessLookupError:
         pass
     try:
@@ -219,7 +338,7 @@ def launch_function(target: str, nproc: int, kwargs: Optional[Dict[str, Any]] = 
         spec = Path(d) / "call.json"
         spec.write_text(json.dumps({"target": target, "kwargs": kwargs or {}, "result_dir": d}))
         results = launch([_WORKER, str(spec)], nproc, device=device, timeout_s=timeout_s,
-                         pg_timeout_s=pg_timeout_s, grace_s=grace_s, env=env)
+                         pg_timeout_s=pg_timeout_s, grace_s=grace_s, env=env, _fork=_fork_wanted(device))
         bad = [r for r in results if r.returncode != 0]
         if bad:
             raise RankFailure(f"{len(bad)} of {nproc} rank(s) failed running {target}", results)

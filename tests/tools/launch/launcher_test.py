@@ -20,6 +20,13 @@ FN = textwrap.dedent("""
         dist.all_reduce(t)
         return {"rank": int(os.environ["RANK"]), "world": dist.get_world_size(), "sum": float(t) * scale}
 
+    def about_me(flag_dir):
+        import atexit
+        rank = dist.get_rank()
+        atexit.register(lambda: open(f"{flag_dir}/rank{rank}.atexit", "w").close())
+        return {"rank": dist.get_rank(), "pid": os.getpid(), "sid": os.getsid(0), "ppid": os.getppid(),
+                "probe": os.environ.get("MOE_EP_PROBE"), "threads": __import__("torch").get_num_threads()}
+
     def fail_on_one():
         if dist.get_rank() == 1:
             raise ValueError("rank 1 refuses")
@@ -38,6 +45,15 @@ def target(tmp_path):
 def test_launch_function_returns_each_ranks_value(target):
     got = launch_function(f"{target}:whoami", 3, {"scale": 2.0})
     assert got == [{"rank": r, "world": 3, "sum": 6.0} for r in range(3)]
+
+
+def test_cpu_ranks_are_forked_each_in_its_own_session_with_its_env(target, tmp_path):
+    got = launch_function(f"{target}:about_me", 2, {"flag_dir": str(tmp_path)}, env={"MOE_EP_PROBE": "x"})
+    for r, g in enumerate(got):
+        assert g["rank"] == r and g["probe"] == "x" and g["threads"] == 1, g
+        assert g["sid"] == g["pid"], g  # a session of its own: kill_rank reaches its children
+        assert g["ppid"] != os.getpid(), g  # forked by the forkserver, not started by this process
+        assert (tmp_path / f"rank{r}.atexit").exists()  # a normal end runs the rank's atexit handlers
 
 
 def test_a_failing_rank_fails_the_launch_without_hanging(target):
