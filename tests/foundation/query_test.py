@@ -1,4 +1,5 @@
-"""Build-graph facts about the kernel trees, read from `bazel query` (nested Bazel).
+"""Build-graph facts about the kernel trees, read from `bazel query` (the nested Bazel server of conftest.py, shared
+with visibility_test.py in //tests/foundation:build_graph_test).
 
 1. Only //shim/... targets depend directly on a kernel package (the py_libraries of
    @cutedsl_megamoe_sm90 / @cutedsl_megamoe_sm100). The one exception is the deliberate
@@ -57,25 +58,17 @@ def _universe():
 
 
 @pytest.fixture(scope="module")
-def server():
-    """One nested Bazel server for both queries: the second reuses the packages the first loaded."""
-    bazel = nested_bazel.Server()
-    yield bazel
-    bazel.shutdown()
-
-
-@pytest.fixture(scope="module")
-def graph(server):
+def graph(workspace_bazel):
     """(kind of every node, edges) of deps(//...), explicit dependencies only."""
     kinds = {}
     universe = _universe()
     everything = " + ".join([f"deps({universe})"] + [f"{prefix}:*" for prefix in TREES.values()])
-    for line in _query(server, everything, "--output=label_kind").splitlines():
+    for line in _query(workspace_bazel, everything, "--output=label_kind").splitlines():
         m = re.match(r"^(.+?) (?:rule )?(//\S*|@\S+)$", line.strip())
         if m:
             kinds[m.group(2)] = m.group(1)
     edges = collections.defaultdict(set)
-    for line in _query(server, f"deps({universe})", "--output=graph", "--nograph:factored").splitlines():
+    for line in _query(workspace_bazel, f"deps({universe})", "--output=graph", "--nograph:factored").splitlines():
         m = re.match(r'^\s*"([^"]+)"\s*->\s*"([^"]+)"', line)
         if m:
             edges[m.group(1)].add(m.group(2))

@@ -1,7 +1,8 @@
 """The layering rule bites: Bazel rejects a dependency on a kernel package from outside //shim; and the
 one-tree rule bites: a target on both kernel trees fails its analysis.
 
-Builds (analysis only) the manual fixtures in //tests/fixtures/visibility with a nested Bazel:
+Builds (analysis only) the manual fixtures in //tests/fixtures/visibility with a nested Bazel (the server of
+conftest.py, shared with query_test.py in //tests/foundation:build_graph_test):
 the control target must pass, each violation must fail with Bazel's visibility error
 naming the kernel package and the offending target (in its first error line, not its generated
 `<target>.one_tree` check's), and the binaries on both arch targets (through deps, and one arch
@@ -28,10 +29,10 @@ BOTH_THROUGH_DATA = f"{FIXTURES}:both_trees_through_data"
 
 
 @pytest.fixture(scope="module")
-def analysis():
+def analysis(workspace_bazel):
     """One nested analysis of every fixture (--keep_going: each one's outcome is reported): its stderr."""
-    proc = nested_bazel.bazel("build", ["--nobuild", "--symlink_prefix=/", "--keep_going", CONTROL, BOTH,
-                                        BOTH_THROUGH_DATA, *sorted(VIOLATIONS)])
+    proc = workspace_bazel.run("build", ["--nobuild", "--symlink_prefix=/", "--keep_going", CONTROL, BOTH,
+                                         BOTH_THROUGH_DATA, *sorted(VIOLATIONS)])
     if proc.returncode == 0:
         pytest.fail("every fixture analysed, the violations included", pytrace=False)
     return proc

@@ -19,10 +19,10 @@ which the plain configuration filters out and --config=hopper / --config=blackwe
 One tree per process: every py_library / py_binary / py_test with deps or data carries a `<name>.one_tree` check
 (one_tree.bzl) that fails the target's analysis when its deps or data reach both kernel trees.
 
-No test that checks nothing: every py_test's main is //tools/bazel:pytest_runner.py with the test's file written in
-(`<name>.pytest_main.py`), which runs that file under pytest and fails the target when no case ran (nothing
-collected, or everything skipped). The test's file is `main` when given, else its one source, else `<name>.py`; its
-own `__main__` block is not used.
+No test that checks nothing: every py_test's main is //tools/bazel:pytest_runner.py with the test's files written in
+(`<name>.pytest_main.py`), which runs them under pytest and fails the target when no case ran (nothing collected, or
+everything skipped). The test's file is `main` when given, else its one source, else its sources named `*_test.py`
+(one pytest session: they share session fixtures), else `<name>.py`; a file's own `__main__` block is not used.
 """
 
 load("@bazel_tools//tools/python:toolchain.bzl", _py_runtime_pair = "py_runtime_pair")
@@ -57,7 +57,7 @@ def _pytest_main_impl(ctx):
         template = ctx.file._runner,
         output = out,
         substitutions = {
-            "@TEST_FILE@": _runfiles_path(ctx, ctx.file.test_file),
+            "@TEST_FILES@": " ".join([_runfiles_path(ctx, f) for f in ctx.files.test_files]),
             "@THIS_FILE@": _runfiles_path(ctx, out),
         },
     )
@@ -66,20 +66,27 @@ def _pytest_main_impl(ctx):
 _pytest_main = rule(
     implementation = _pytest_main_impl,
     attrs = {
-        "test_file": attr.label(allow_single_file = [".py"], mandatory = True),
+        "test_files": attr.label_list(allow_files = [".py"], mandatory = True),
         "_runner": attr.label(default = _PYTEST_RUNNER, allow_single_file = True),
     },
-    doc = "pytest_runner.py with one test's file written in: that test's main.",
+    doc = "pytest_runner.py with one test's files written in: that test's main.",
 )
 
+def _test_files(name, srcs, main):
+    """The files a py_test runs: its main; else its one source; else its sources named *_test.py (one pytest
+    session); else <name>.py, Bazel's own default."""
+    if main != None:
+        return [main]
+    if len(srcs) == 1:
+        return srcs
+    return [s for s in srcs if s.endswith("_test.py")] or [name + ".py"]
+
 def py_test(name, srcs = [], main = None, **kwargs):
-    """A py_test whose file runs under pytest_runner.py: at least one test case must run, or the test fails."""
-    if main == None:
-        main = srcs[0] if len(srcs) == 1 else name + ".py"
+    """A py_test whose files run under pytest_runner.py: at least one test case must run, or the test fails."""
     runner = name + ".pytest_main"
     _pytest_main(
         name = runner,
-        test_file = main,
+        test_files = _test_files(name, srcs, main),
         testonly = True,
         tags = [t for t in kwargs.get("tags", []) if t == "manual"],
         visibility = ["//visibility:private"],

@@ -2,7 +2,9 @@
 when no test case ran.
 
 py.bzl does not run this file as it is: for each test it writes a copy, `<test>.pytest_main.py`, with the test's
-file (its `main`, else its one source, else `<name>.py`) written in below, and makes that copy the test's main.
+file written in below (its `main`; else its one source; else every source named `*_test.py`, run in one pytest
+session, so that they share session fixtures such as one nested Bazel server; else `<name>.py`), and makes that
+copy the test's main.
 So a test file needs no `__main__` block of its own, and one that has none, or one whose block runs nothing, cannot
 pass having checked nothing: pytest collecting no case (its exit code 5), or every case skipped, fails the target
 and says so, however the test is started (`bazel test`, `bazel run`, its executable). The last line of every log
@@ -26,8 +28,9 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
-# Written in by py.bzl (runfiles paths: "<repository>/<path>"); left as they are when this file is run by hand.
-TEST_FILE = "@TEST_FILE@"
+# Written in by py.bzl (runfiles paths: "<repository>/<path>", test files separated by spaces); left as they are when
+# this file is run by hand.
+TEST_FILES = "@TEST_FILES@"
 THIS_FILE = "@THIS_FILE@"
 
 # The line every log ends with; .ci/run and the zero-case test read it.
@@ -69,16 +72,17 @@ def _under_bazel_tmp() -> None:
         tempfile.tempdir = None  # recomputed from TMPDIR on next use
 
 
-def _written_in() -> Optional[Tuple[str, str]]:
-    """(absolute path, path to show) of the test file py.bzl wrote in, found from where this copy sits in the
+def _written_in() -> Optional[Tuple[List[str], str]]:
+    """(absolute paths, paths to show) of the test files py.bzl wrote in, found from where this copy sits in the
     runfiles (it works whatever the current directory); None when run by hand."""
-    if TEST_FILE.startswith("@"):
+    if TEST_FILES.startswith("@"):
         return None
     here = os.path.abspath(__file__)
     if not here.endswith(THIS_FILE):
         raise RuntimeError(f"{here} is not at its runfiles path {THIS_FILE}")
     root = here[:-len(THIS_FILE)]
-    return os.path.join(root, TEST_FILE), TEST_FILE.split("/", 1)[1]
+    files = TEST_FILES.split()
+    return [os.path.join(root, f) for f in files], " ".join(f.split("/", 1)[1] for f in files)
 
 
 def _cost(t0: float) -> str:
@@ -101,17 +105,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     written = _written_in()
     if written:
-        (test_file, shown), extra = written, argv
+        (test_files, shown), extra = written, argv
     elif argv:
-        test_file, extra = argv[0], argv[1:]
-        shown = test_file
+        test_files, extra = argv[:1], argv[1:]
+        shown = argv[0]
     else:
         print("usage: pytest_runner.py <test file> [pytest arguments ...]", file=sys.stderr)
         return 2
     _under_bazel_tmp()
     import pytest
 
-    args = [test_file, "-v", "-p", "no:cacheprovider"]
+    args = [*test_files, "-v", "-p", "no:cacheprovider"]
     if os.environ.get("XML_OUTPUT_FILE"):
         args.append(f"--junitxml={os.environ['XML_OUTPUT_FILE']}")
     count = _Count()
