@@ -9,11 +9,15 @@ CPU, NCCL on CUDA). The command after `--` is pytest arguments, or `-m module ar
 
 From Python, launch_function() runs module:function (or path/to/file.py:function) on every rank and
 returns each rank's JSON-able return value; a failing rank raises RankFailure with every rank's output.
-Its CPU ranks are forked from a server process that has imported torch once (multiprocessing's forkserver,
-one per launching process): a fresh interpreter per rank spent 2-4 s of CPU importing torch before doing
-anything, for every rank of every launch. Each forked rank still gets its own session, environment, log and
-exit code, and runs its atexit handlers at a normal end; MOE_EP_LAUNCH_FORK=0 starts fresh interpreters
-instead. CUDA ranks and the command line always start fresh interpreters.
+CPU ranks that run a Python file or module (`script.py args`, `-m module args`, launch_function's worker) are
+forked from a server process that has imported torch once (multiprocessing's forkserver, one per launching
+process), and run it as `python` would (runpy, as __main__): a fresh interpreter per rank spent 2-4 s of CPU
+importing torch before doing anything, for every rank of every launch. Each forked rank still gets its own
+session, environment, working directory, sys.path[0], log and exit code, runs its atexit handlers at its end and
+waits for its non-daemon threads; torch's intra-op threads follow its OMP_NUM_THREADS. MOE_EP_LAUNCH_FORK=0
+starts fresh interpreters instead; CUDA ranks and `-c` commands always do. As with multiprocessing, a script
+that calls launch_function keeps its own top level under `if __name__ == "__main__":` (the forked ranks import
+the launching script's main module).
 
 Nothing hangs: when one rank fails the others get a grace period (they are usually blocked in a collective
 that can no longer finish) and are then killed; the whole launch has a wall-clock limit.
@@ -83,9 +87,8 @@ def _rank_env(rank: int, nproc: int, port: int, device: str, pg_timeout_s: float
 
 def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: float = 600.0,
            pg_timeout_s: float = 120.0, grace_s: float = 15.0, env: Optional[Dict[str, str]] = None,
-           cwd: Optional[str] = None, _fork: bool = False) -> List[RankResult]:
-    """Run `python <argv>` as nproc ranks; returns when all have exited (or were killed). (_fork: launch_function's
-    worker ranks, forked from the forkserver instead; see the module docstring.)"""
+           cwd: Optional[str] = None) -> List[RankResult]:
+    """Run `python <argv>` as nproc ranks; returns when all have exited (or were killed)."""
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if device not in ("cpu", "cuda"):
@@ -99,7 +102,7 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
     procs, logs = [], []
     try:
         _spawn([sys.executable, *argv], [os.path.join(logdir, f"rank{r}.log") for r in range(nproc)], procs, logs,
-               port=port, device=device, pg_timeout_s=pg_timeout_s, env=env, cwd=cwd, fork=_fork)
+               port=port, device=device, pg_timeout_s=pg_timeout_s, env=env, cwd=cwd)
         deadline = time.monotonic() + timeout_s
         first_failure = None
         while True:
@@ -134,16 +137,17 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
 
 
 def _spawn(cmd: Sequence[str], log_paths: Sequence[str], procs: list, logs: list, *, port: int, device: str,
-           pg_timeout_s: float, env: Optional[Dict[str, str]], cwd: Optional[str], fork: bool = False) -> None:
+           pg_timeout_s: float, env: Optional[Dict[str, str]], cwd: Optional[str]) -> None:
     """One rank a log path, each in a session of its own (kill_rank ends it with its children); appends to procs
-    and logs as it goes, so the caller's cleanup reaches every rank started before a failure. fork: cmd is
-    [python, worker.py, args...], and each rank is forked from the forkserver instead (see the module docstring)."""
+    and logs as it goes, so the caller's cleanup reaches every rank started before a failure. CPU ranks of a Python
+    file or module are forked from the forkserver (see the module docstring)."""
+    fork = _forkable(cmd, device)
     for r, path in enumerate(log_paths):
         log = open(path, "w+b")
         logs.append(log)
         rank_env = _rank_env(r, len(log_paths), port, device, pg_timeout_s, env)
         if fork:
-            procs.append(_ForkedRank.start(list(cmd[2:]), rank_env, path, cwd))
+            procs.append(_ForkedRank.start(list(cmd[1:]), rank_env, path, cwd))
             continue
         procs.append(subprocess.Popen(list(cmd), env=rank_env, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True))
@@ -154,13 +158,32 @@ def _spawn(cmd: Sequence[str], log_paths: Sequence[str], procs: list, logs: list
 _FORK_PRELOAD = ["torch"]
 
 
-def _fork_wanted(device: str) -> bool:
-    return device == "cpu" and os.environ.get("MOE_EP_LAUNCH_FORK", "1") != "0"
+def _forkable(cmd: Sequence[str], device: str) -> bool:
+    """[this interpreter, script.py | -m module, ...] on the CPU, unless MOE_EP_LAUNCH_FORK=0."""
+    if device != "cpu" or os.environ.get("MOE_EP_LAUNCH_FORK", "1") == "0" or len(cmd) < 2:
+        return False
+    if os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
+        return False
+    return (cmd[1] == "-m" and len(cmd) > 2) or cmd[1].endswith(".py")
 
 
-def _forked_rank_main(worker_args: List[str], env: Dict[str, str], log_path: str, cwd: Optional[str]) -> None:
-    """A forked rank: what `python worker.py <worker_args>` with env, its output to log_path and a session of its
-    own would do, in a process that already holds torch."""
+def _run_as_python(argv: List[str]) -> None:
+    """`python <argv>` for a file or a module, in this process: the same __main__, sys.argv and sys.path[0]."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _forked_rank_main(argv: List[str], env: Dict[str, str], log_path: str, cwd: Optional[str]) -> None:
+    """A forked rank: what `python <argv>` with env, its output to log_path and a session of its own would do, in a
+    process that already holds torch."""
     os.setsid()
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
@@ -173,21 +196,33 @@ def _forked_rank_main(worker_args: List[str], env: Dict[str, str], log_path: str
     os.environ.update(env)
     if cwd:
         os.chdir(cwd)
-    sys.argv = [_WORKER, *worker_args]
-    code = 1
+    import torch
+
+    # torch read OMP_NUM_THREADS when the forkserver imported it; the rank's own value decides here.
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    code = 0
     try:
-        from tools.launch import worker
-
-        code = worker.main()
-        import atexit
-
-        atexit._run_exitfuncs()  # a normal end, as the interpreter's own exit would (moe_ep's teardown)
+        _run_as_python(argv)
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:
         import traceback
 
         traceback.print_exc()
+        code = 1
+    # How the interpreter ends: wait for non-daemon threads, then the atexit handlers (moe_ep's teardown).
+    try:
+        import threading
+
+        threading._shutdown()
+        import atexit
+
+        atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -218,7 +253,7 @@ class _ForkedRank:
         self._process = process
 
     @classmethod
-    def start(cls, worker_args: List[str], env: Dict[str, str], log_path: str, cwd: Optional[str]) -> "_ForkedRank":
+    def start(cls, argv: List[str], env: Dict[str, str], log_path: str, cwd: Optional[str]) -> "_ForkedRank":
         if cls._context is None:
             import multiprocessing
             import multiprocessing.util
@@ -227,7 +262,7 @@ class _ForkedRank:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(_FORK_PRELOAD)
             cls._context = ctx
-        process = cls._context.Process(target=_forked_rank_main, args=(worker_args, env, log_path, cwd), daemon=False)
+        process = cls._context.Process(target=_forked_rank_main, args=(argv, env, log_path, cwd), daemon=False)
         process.start()
         return cls(process)
 
@@ -338,7 +373,7 @@ def launch_function(target: str, nproc: int, kwargs: Optional[Dict[str, Any]] = 
         spec = Path(d) / "call.json"
         spec.write_text(json.dumps({"target": target, "kwargs": kwargs or {}, "result_dir": d}))
         results = launch([_WORKER, str(spec)], nproc, device=device, timeout_s=timeout_s,
-                         pg_timeout_s=pg_timeout_s, grace_s=grace_s, env=env, _fork=_fork_wanted(device))
+                         pg_timeout_s=pg_timeout_s, grace_s=grace_s, env=env)
         bad = [r for r in results if r.returncode != 0]
         if bad:
             raise RankFailure(f"{len(bad)} of {nproc} rank(s) failed running {target}", results)
