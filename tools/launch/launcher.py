@@ -211,9 +211,7 @@ def _forked_rank_main(argv: List[str], env: Dict[str, str], log_path: str, cwd: 
             print(e.code, file=sys.stderr)
             code = 1
     except BaseException:
-        import traceback
-
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # what the interpreter does with an uncaught exception (moe_ep hooks it)
         code = 1
     # How the interpreter ends: wait for non-daemon threads, then the atexit handlers (moe_ep's teardown).
     try:

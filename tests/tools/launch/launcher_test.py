@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tools.launch.launcher import RankFailure, launch_function
+from tools.launch.launcher import RankFailure, launch, launch_function
 
 FN = textwrap.dedent("""
     import os
@@ -54,6 +54,34 @@ def test_cpu_ranks_are_forked_each_in_its_own_session_with_its_env(target, tmp_p
         assert g["sid"] == g["pid"], g  # a session of its own: kill_rank reaches its children
         assert g["ppid"] != os.getpid(), g  # forked by the forkserver, not started by this process
         assert (tmp_path / f"rank{r}.atexit").exists()  # a normal end runs the rank's atexit handlers
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import atexit, os, sys
+    out = sys.argv[1]
+    rank = os.environ["RANK"]
+    atexit.register(lambda: open(f"{out}/rank{rank}.atexit", "w").close())
+    def hook(kind, value, tb):
+        open(f"{out}/rank{rank}.excepthook", "w").write(str(value))
+        sys.__excepthook__(kind, value, tb)
+    sys.excepthook = hook
+    if rank == "0":
+        sys.exit(3)
+    raise ValueError("rank 1 raises")
+""")
+
+
+def test_a_forked_rank_ends_as_the_interpreter_would(tmp_path):
+    # A script run as ranks (forked on the CPU): sys.exit's code, an uncaught exception through sys.excepthook
+    # (moe_ep hooks it to leave the group alone), atexit handlers either way.
+    script = tmp_path / "rank_script.py"
+    script.write_text(RANK_SCRIPT)
+    results = launch([str(script), str(tmp_path)], 2, grace_s=30)
+    assert [r.returncode for r in results] == [3, 1], results
+    assert "ValueError: rank 1 raises" in results[1].output
+    assert (tmp_path / "rank1.excepthook").read_text() == "rank 1 raises"
+    assert not (tmp_path / "rank0.excepthook").exists()
+    assert (tmp_path / "rank0.atexit").exists() and (tmp_path / "rank1.atexit").exists()
 
 
 def test_a_failing_rank_fails_the_launch_without_hanging(target):
