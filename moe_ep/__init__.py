@@ -20,7 +20,7 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 LayerClosedError, RegistrationError, RankDivergenceError, PeerLostError,
                                 DeviceUnavailableError, CheckConfigError,
                                 IntegrationError, ExpertMapError, LoadCountsError, CheckpointError,
-                                InexactCheckpointError)
+                                InexactCheckpointError, TopologyError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
@@ -46,5 +46,5 @@ __all__ = [
     "DeviceUnavailableError",
     "CheckConfigError", "IntegrationError",
     "ExpertMapError", "LoadCountsError",
-    "CheckpointError", "InexactCheckpointError",
+    "CheckpointError", "InexactCheckpointError", "TopologyError",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "CheckConfigError", "IntegrationError",
     "ExpertMapError", "LoadCountsError",
     "CheckpointError", "InexactCheckpointError",
+    "TopologyError",
 ]
 
 
@@ -234,3 +235,13 @@ class InexactCheckpointError(CheckpointError):
     def __init__(self, tensor: Optional[str], message: str, file: Optional[str] = None, report=None):
         self.report = report
         super().__init__(tensor, message, file)
+
+
+class TopologyError(ProcessGroupError):
+    """The group's ranks cannot all reach each other the way the chosen backend needs (a fused kernel reaches its
+    peers by NVLink P2P: one NVLink domain), or the domain map given in $MOE_EP_DOMAINS does not describe the
+    group. ``ranks``: the group ranks on the far side of the gap (or the ones the map gets wrong)."""
+
+    def __init__(self, argument: Optional[str], message: str, ranks: Sequence[int] = ()):
+        self.ranks = tuple(ranks)
+        super().__init__(argument, message)

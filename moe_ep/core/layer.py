@@ -19,6 +19,7 @@ from moe_ep.eplb import ExpertMap, SlotRouter
 from moe_ep.eplb import placement as eplb_placement
 from moe_ep.eplb import swap as eplb_swap
 from moe_ep.formats import QuantizedWeights, check_format
+from moe_ep.split import hooks as split_paths
 
 __all__ = ["MoELayer", "AGREED_CALLS", "CHUNKING"]
 
@@ -50,7 +51,9 @@ def _chunking_option(chunking):
 class MoELayer(LayerGeometry):
     """An expert-parallel MoE layer over a process group.
 
-    backend: None / "auto" picks by the device's arch (and fmt, if given); or a registered name.
+    backend: None picks by the device's arch (and fmt, if given); "auto" measures the paths the group can run (the
+      fused kernel, "split", "two_level" across NVLink domains) and keeps the fastest (docs/scale-out.md); or a
+      registered name. `plan` reports what runs.
     fmt: the quantization format (see moe_ep.FORMATS); None takes the backend's default.
     Every call checks types, shapes, dtypes, devices and contiguity (one host expression, ~1 us). The costly checks
     follow a schedule (docs/api.md, "Checks"; $MOE_EP_CHECKS=all turns both on for every call, =off turns the
@@ -103,16 +106,17 @@ class MoELayer(LayerGeometry):
             fmt = weights.fmt  # already quantized: the layer runs in the pack's format
 
         def resolve():
-            if backend is None or backend == "auto":
+            if backend is None:
                 entry = registry.select_backend(registry.detect_arch(ctx.device), fmt)
             else:
                 entry = registry.get_entry(backend)
                 if entry.arch != "cpu":  # a kernel backend named on a device of another arch (or the CPU)
                     require_arch(ctx.device, entry.arch, entry.name)
-            f = entry.default_format if fmt is None else check_format(fmt)
+            f = (split_paths.default_format(entry, ctx.device) if fmt is None else check_format(fmt))
             if f not in entry.formats:
                 raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {f!r}")
             cls = registry.resolve_backend(entry.name)
+            split_paths.check_topology(cls, entry.name, domains)
             served = getattr(cls, "weight_formats", entry.formats)
             if f not in served:
                 raise FormatError("fmt", f"backend {entry.name!r} ({cls.__name__}) serves {list(served)}, not {f!r}")
@@ -127,6 +131,7 @@ class MoELayer(LayerGeometry):
                     check_schedule(collective_checks, "collective_checks", mode),
                     _chunking_option(chunking), _out_dtype_option(out_dtype))
 
+        domains = split_paths.domain_map(ctx)  # collective (once per group): before anything can fail locally
         (entry, cls, f, slot_spec), bound, options = run_agreed(
             ctx, lambda: (resolve(), watchdog.parse_timeout(timeout_s), forward_options()), "layer arguments")
         self._values_sched, self._agree_sched, self.chunking, self._out_dtype = options
@@ -178,6 +183,13 @@ class MoELayer(LayerGeometry):
     def id_space(self) -> str:
         """What topk_idx holds: "logical" (mapped by the layer, or no map at all) or "physical" (slot ids)."""
         return "logical" if self._eplb is None or self._eplb.expert_map is None else self._eplb.id_space
+
+    @property
+    def plan(self):
+        """What this layer runs (moe_ep.split.plan.Plan): the path, the backend, the engine and transport of a split
+        path, the group's NVLink domains, and whether auto measured it, read it from the plan table, or the layer
+        was built with it by name."""
+        return split_paths.plan_of(self)
 
     @property
     def watch(self):

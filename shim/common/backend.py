@@ -63,6 +63,9 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     input_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     routing_weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     allocates_output = True  # out=None: the frontend's graph writes its workspace, the call returns a fresh copy
+    # The kernels reach peers by NVLink P2P: a layer over several NVLink domains is refused at construction
+    # (moe_ep/split/topology.py); backend="auto" plans two_level or split there.
+    needs_p2p = True
 
     @classmethod
     def row_classes(cls) -> Dict[str, type]:
