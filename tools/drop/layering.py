@@ -90,10 +90,21 @@ COMPUTED_IMPORT_ALLOWED: Dict[Tuple[str, str], str] = {
         "the launcher's rank worker loads a target given as a file path (a test or tool of this repo, itself scanned)",
     ("tests/foundation/python_env_test.py", "__import__(module)"):
         "imports the locked runtime packages named in its parametrize list (numpy, cutlass, cuda.bindings, nvshmem)",
+    ("tools/launch/launcher.py", "runpy.run_module(argv[1], run_name='__main__', alter_sys=True)"):
+        "a forked CPU rank runs the module its launch was given (`-m module`), as `python -m` would: a test or tool "
+        "of this repo, itself scanned; the tree guard refuses kernel modules from anywhere else at run time",
+    ("tools/launch/launcher.py", "runpy.run_path(argv[0], run_name='__main__')"):
+        "a forked CPU rank runs the file its launch was given (`script.py`), as `python script.py` would: a test or "
+        "tool of this repo, itself scanned; the tree guard refuses kernel modules from anywhere else at run time",
 }
 
 # sys.path mutations outside shim/ that are allowed: (file, the statement or call as ast.unparse prints it) -> why.
-SYS_PATH_ALLOWED: Dict[Tuple[str, str], str] = {}
+SYS_PATH_ALLOWED: Dict[Tuple[str, str], str] = {
+    ("tools/launch/launcher.py", "sys.path.insert(0, os.getcwd())"):
+        "a forked CPU rank's sys.path[0] for `-m module`, what `python -m` puts there (the working directory)",
+    ("tools/launch/launcher.py", "sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))"):
+        "a forked CPU rank's sys.path[0] for `script.py`, what `python script.py` puts there (the script's folder)",
+}
 
 # Files outside shim/ that rules 1 and 5-7 leave alone, each with the reason: tests whose job is to get around
 # the layering on purpose, to prove the run-time tree guard catches what this scan cannot.
