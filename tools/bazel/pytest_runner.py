@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import sys
 import time
 from typing import List, Optional, Tuple
@@ -89,10 +90,14 @@ def _cost(t0: float) -> str:
     """Wall time since the runner started, and CPU time of the process and the children it waited for (ranks,
     compile children, nested Bazel clients): what a test's `size` and a 2-core machine's schedule need to know."""
     forkserver = sys.modules.get("multiprocessing.forkserver")
-    if forkserver is not None:  # tools/launch forks CPU ranks from it; stopped, it and they count as waited for
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid:  # tools/launch forks CPU ranks from it, and it reaps them: reaped in turn, it and they count here
+        # Killed, not asked to stop: a process holding torch takes seconds to tear itself down.
         try:
-            forkserver._forkserver._stop()
-        except Exception:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            forkserver._forkserver._forkserver_pid = None
+        except OSError:
             pass
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
