@@ -18,6 +18,7 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
                                 KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError,
                                 LayerClosedError, RegistrationError, RankDivergenceError, PeerLostError,
+                                RankDisagreementError, UnknownArgumentError,
                                 DeviceUnavailableError, CheckConfigError,
                                 IntegrationError, ExpertMapError, LoadCountsError, CheckpointError,
                                 InexactCheckpointError, TopologyError)
@@ -42,7 +43,7 @@ __all__ = [
     "WeightsRankError", "ProcessGroupError", "PeerValidationError", "BackendNotFoundError",
     "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
-    "RankDivergenceError", "PeerLostError",
+    "RankDivergenceError", "PeerLostError", "RankDisagreementError", "UnknownArgumentError",
     "DeviceUnavailableError",
     "CheckConfigError", "IntegrationError",
     "ExpertMapError", "LoadCountsError",

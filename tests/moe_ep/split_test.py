@@ -142,16 +142,19 @@ def test_one_rank_paths_equal_the_reference_bit_for_bit(group, backend, options)
 
 
 @pytest.mark.parametrize("engine", ["torch_fp8_block128", "torch_fp8_rowwise"])
-def test_torch_engines_on_the_cpu(group, engine):
+@pytest.mark.parametrize("topk_in_fc1", [True, False])
+def test_torch_engines_on_the_cpu(group, engine, topk_in_fc1):
     """Their CPU paths (fp32 matmuls over the quantized operands): block128 differs from the format only in the
     FC2-input block and a bf16 FC1 output, so it is held to the kernels' bound; rowwise computes its own format,
-    checked against a plain loop over the same quantized operands."""
+    checked against a plain loop over the same quantized operands. Routing weights in FC1 or on the FC2 output."""
     weights = one_rank_weights(E, H, I, 16.0)
     x, idx, w = _inputs(9)
-    with moe_ep.MoELayer(SPEC, weights, backend="split", fmt="fp8_block", engine=engine) as layer:
+    with moe_ep.MoELayer(SPEC, weights, backend="split", fmt="fp8_block", engine=engine,
+                         apply_topk_in_fc1=topk_in_fc1) as layer:
         out = torch.full((x.shape[0], H), float("nan"), dtype=torch.bfloat16)
         layer(x, idx, w, out=out)
-        assert layer.plan.engine == engine and "1x" in layer.plan.numerics or "rowwise" in layer.plan.numerics
+        assert layer.plan.engine == engine and ("1x" in layer.plan.numerics or "rowwise" in layer.plan.numerics)
+        assert "torch ops" in layer.plan.numerics  # the CPU has no Triton kernels
         if engine == "torch_fp8_block128":
             check_multirank(layer, x, idx, w, out, weights=weights, tol=kernel_row_tolerance("fp8_block", I))
             return
@@ -172,14 +175,134 @@ def test_torch_engines_on_the_cpu(group, engine):
             w13 = rowwise(weights.w13[e])
             w2 = rowwise(weights.w2[e])
             fc1 = (xq[tok] @ w13.t()).to(torch.bfloat16).float()
-            y = torch.nn.functional.silu(fc1[:I]) * fc1[I:] * w[tok, j]
-            terms.append((rowwise(y.unsqueeze(0))[0] @ w2.t()).to(torch.bfloat16))
+            y = torch.nn.functional.silu(fc1[:I]) * fc1[I:] * (w[tok, j] if topk_in_fc1 else 1.0)
+            term = (rowwise(y.unsqueeze(0))[0] @ w2.t()).to(torch.bfloat16)
+            terms.append(term if topk_in_fc1 else (term.float() * w[tok, j]).to(torch.bfloat16))
         acc = torch.zeros(H)
         for term in terms:
             acc += term.float()
         ref[tok] = acc
     err = ((out.float() - ref.to(torch.bfloat16).float()).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-6)).max()
     assert float(err) < 1e-2
+
+
+def test_block128_hands_cublas_aligned_blocks_with_their_own_column_major_scales(group, monkeypatch):
+    """What cuBLAS's blockwise FP8 GEMM needs (moe_ep/split/torch_engine.py): every GEMM's M a multiple of
+    ROW_ALIGN and its 1x128 scales [M, K/128] column-major over exactly its rows (strides (1, M)); each expert's
+    first count rows are its pairs' rows in order (their bytes and scales), the padding real rows' bytes."""
+    from moe_ep.formats import packs
+    from moe_ep.split import torch_engine as te
+
+    seen = []
+    real = te.block_scaled_mm
+
+    def spy(a, a_scale, w, w_scale, out):
+        seen.append((a.clone(), a_scale.clone(), a_scale.stride(), out.shape, w.shape))
+        return real(a, a_scale, w, w_scale, out)
+
+    monkeypatch.setattr(te, "block_scaled_mm", spy)
+    weights = one_rank_weights(E, H, I, 16.0)
+    x, idx, w = _inputs(11)
+    idx[:, 1] = torch.where(idx[:, 0] == 3, -1, idx[:, 1])  # some -1 slots beside the routing's own
+    idx[idx == 5] = -1  # and one expert with no rows at all
+    with moe_ep.MoELayer(SPEC, weights, backend="split", fmt="fp8_block", engine="torch_fp8_block128") as layer:
+        out = torch.full((x.shape[0], H), float("nan"), dtype=torch.bfloat16)
+        layer(x, idx, w, out=out)
+        check_multirank(layer, x, idx, w, out, weights=weights, tol=kernel_row_tolerance("fp8_block", I))
+        act = packs.quantize_input(layer.backend.engine.oracle_weights(), x)
+    counts = [int((idx == e).sum()) for e in range(E)]
+    live = [e for e in range(E) if counts[e]]
+    assert counts[5] == 0 and len(seen) == 2 * len(live)  # FC1 then FC2 per expert with rows; none for expert 5
+    for n, (a, a_scale, stride, out_shape, w_shape) in enumerate(seen):
+        m = a.shape[0]
+        assert m % te.ROW_ALIGN == 0 and stride == (1, m), (m, stride)
+        assert a_scale.shape == (m, a.shape[1] // 128) and out_shape == (m, w_shape[0])
+        assert torch.isfinite(a.float()).all() and (a_scale > 0).all()
+        if n < len(live):  # FC1: the pairs' token rows, in token order
+            e = live[n]
+            assert te.ROW_ALIGN * ((counts[e] + te.ROW_ALIGN - 1) // te.ROW_ALIGN) == m
+            tokens = (idx == e).any(dim=1).nonzero().reshape(-1)
+            assert torch.equal(a[:counts[e]].view(torch.uint8), act.q[tokens].view(torch.uint8))
+            assert torch.equal(a_scale[:counts[e]], act.scale[tokens])
+
+
+def test_torch_ops_swiglu_quant_puts_each_scale_where_it_is_told():
+    """TorchOps.swiglu_quant (what the Triton kernel is held to) against the reference's SwiGLU and the FC2-input
+    quantizer, for the block128 layout (gate/up in groups of 64, scales column-major per expert block) and the
+    rowwise one (gate | up, one scale per row), with the clamp and the routing weight."""
+    from moe_ep.formats.codecs import fp8_quantize_rows
+    from moe_ep.reference.ffn import swiglu
+    from moe_ep.split.torch_engine import TorchOps, gate_up_blocks
+
+    g = torch.Generator().manual_seed(4)
+    i, sizes = 256, [16, 0, 32, 16]
+    m = sum(sizes)
+    canon = (torch.randn(m, 2 * i, generator=g) * 3).to(torch.bfloat16)
+    wt = torch.rand(m, generator=g)
+    want_y = swiglu(canon.float(), 2.5) * wt.unsqueeze(1)
+    blocked = canon[:, gate_up_blocks(i)]  # the block128 engine's FC1 output order
+    q_want, s_want = fp8_quantize_rows(want_y, 128, reciprocal=True)
+    starts = [sum(sizes[:x]) for x in range(len(sizes))]
+    expert = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    start_of, size_of = torch.tensor(starts)[expert], torch.tensor(sizes)[expert]
+    nb = i // 128
+    q = torch.empty(m, i, dtype=torch.float8_e4m3fn)
+    s = torch.full((m * nb,), float("nan"))
+    TorchOps.swiglu_quant(blocked, 64, 2.5, wt, 128, q, s, start_of * nb + torch.arange(m) - start_of, size_of)
+    assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+    for x, (a, n) in enumerate(zip(starts, sizes)):
+        if n:
+            assert torch.equal(s[a * nb:(a + n) * nb].view(nb, n).t(), s_want[a:a + n])
+    q_row, s_row = fp8_quantize_rows(swiglu(canon.float(), None), i, reciprocal=True)
+    s1 = torch.full((m,), float("nan"))
+    TorchOps.swiglu_quant(canon, i, None, None, i, q, s1)
+    assert torch.equal(q.view(torch.uint8), q_row.view(torch.uint8)) and torch.equal(s1, s_row.reshape(-1))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("width", [1, 3])
+def test_torch_ops_combine_sums_slots_in_order_and_rounds_once(weighted, width):
+    from moe_ep.split.torch_engine import TorchOps
+
+    g = torch.Generator().manual_seed(width)
+    n, h, p = 7, 64, 11
+    terms = torch.randn(p, h, generator=g).to(torch.bfloat16)
+    terms[2, :4] = -0.0
+    pos_of = torch.randint(-1, p, (n * width,), generator=g)
+    pos_of[0] = -1
+    wt = torch.rand(n * width, generator=g) if weighted else None
+    out = torch.full((n, h), float("nan"), dtype=torch.bfloat16)
+    TorchOps.combine(terms, pos_of, width, wt, out)
+    want = torch.empty(n, h, dtype=torch.bfloat16)
+    for r in range(n):
+        acc = None
+        for j in range(width):
+            k = int(pos_of[r * width + j])
+            t = terms[k] if k >= 0 else torch.zeros(h, dtype=torch.bfloat16)
+            if k >= 0 and wt is not None:
+                t = (t.float() * wt[r * width + j]).to(torch.bfloat16)
+            acc = t.float() if acc is None else acc + t.float()
+        want[r] = acc.to(torch.bfloat16)
+    assert torch.equal(out, want)
+    empty = torch.full((n, h), float("nan"), dtype=torch.bfloat16)
+    TorchOps.combine(terms[:0], torch.full((n * width,), -1), width, wt, empty)
+    assert not empty.any()
+
+
+def test_torch_engine_options_are_checked(group):
+    weights = one_rank_weights(E, H, I, 16.0)
+    with pytest.raises(moe_ep.BackendUnavailableError, match="CUDA"):
+        moe_ep.MoELayer(SPEC, weights, backend="split", fmt="fp8_block", engine="torch_fp8_rowwise",
+                        engine_options={"kernels": "triton"})
+    with pytest.raises(moe_ep.SpecError, match="kernels"):
+        moe_ep.MoELayer(SPEC, weights, backend="split", fmt="fp8_block", engine="torch_fp8_block128",
+                        engine_options={"kernels": "x"})
+    with pytest.raises(moe_ep.SpecError, match="takes engine_options kernels"):
+        moe_ep.MoELayer(SPEC, weights, backend="split", fmt="fp8_block", engine="torch_fp8_block128",
+                        engine_options={"tile": 64})
+    with moe_ep.MoELayer(SPEC, weights, backend="split", fmt="fp8_block", engine="torch_fp8_rowwise",
+                         engine_options={"kernels": "torch"}) as layer:
+        assert layer.backend.engine.kernels == "torch"
 
 
 def test_auto_with_named_candidates_reports_what_it_chose(group, monkeypatch):

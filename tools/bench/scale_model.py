@@ -5,6 +5,12 @@ rate and at the effective rates DeepEP, NCCL EP and UCCL-EP publish, and the lay
 run's). docs/scale-out.md prints and discusses its output.
 
     python -m tools.bench.scale_model [--tokens 4096] [--compute-us 3894] [--split-overhead-us 0]
+    python -m tools.bench.scale_model --tokens 4096 --from-bench benchmarks/h200/round4_0.7.4/split_bench/split_bench.json
+
+--from-bench takes the compute and each path's own cost from a split_bench run at world size 1 (tools/bench/
+split_bench.py) at the same T: the fused layer's captured time as the compute, and per path its captured time over
+the fused layer's (the path's local work: routing, the exchange, which at W=1 moves nothing over a network, and the
+combine). W=1 cannot check the network term; it fixes the rest of each row.
 
 Routing is uniform over the experts (every token's K experts distinct): a token reaches
 n (1 - C(E - E/n, K) / C(E, K)) of n equal groups of experts, so the split path sends a token to that many ranks
@@ -16,10 +22,11 @@ fan-out. Nothing here is measured: each number is the formula's, for the inputs 
 from __future__ import annotations
 
 import argparse
+import json
 from math import comb
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-__all__ = ["reach", "bytes_per_rank", "model", "PUBLISHED", "main"]
+__all__ = ["reach", "bytes_per_rank", "model", "from_bench", "BENCH_PATHS", "PUBLISHED", "main"]
 
 NIC_GBPS = 50.0  # 400 Gb/s
 # Effective per-GPU RDMA bandwidth (GB/s) the libraries publish at these EP sizes, dispatch / combine.
@@ -66,19 +73,46 @@ def bytes_per_rank(world: int, *, tokens: int, hidden: int = 7168, top_k: int = 
     }
 
 
+# The split_bench columns whose captured time over the fused layer's is each modelled path's own cost at W=1.
+BENCH_PATHS = {"split (FP8 out, bf16 back)": "split_fp8wire_graph_us",
+               "two_level (bf16 out, as built)": "two_level_graph_us",
+               "two_level (FP8 out)": "two_level_fp8wire_graph_us"}
+
+
+def from_bench(path: str, tokens: int) -> Tuple[float, Dict[str, float]]:
+    """(compute us, {modelled path: its own cost us}) from a split_bench JSON's row at T = tokens."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    row = next((r for r in rows if r.get("T") == tokens), None)
+    if row is None:
+        raise SystemExit(f"scale_model: {path} has no row at T={tokens} (it has {[r.get('T') for r in rows]})")
+    fused = row.get("fused_graph_us")
+    if not isinstance(fused, (int, float)) or fused != fused:
+        raise SystemExit(f"scale_model: {path} has no fused_graph_us at T={tokens}")
+    costs = {}
+    for name, key in BENCH_PATHS.items():
+        v = row.get(key)
+        if not isinstance(v, (int, float)) or v != v:
+            raise SystemExit(f"scale_model: {path} has no {key} at T={tokens}")
+        costs[name] = v - fused
+    return fused, costs
+
+
 def model(worlds=(16, 32, 64), *, tokens: int = 4096, compute_us: float = 3894.0, split_overhead_us: float = 0.0,
-          max_nodes: Optional[int] = None) -> List[dict]:
+          max_nodes: Optional[int] = None, path_costs: Optional[Dict[str, float]] = None) -> List[dict]:
+    """path_costs: each path's own cost (us) in place of split_overhead_us, by path name."""
     rows = []
     for w in worlds:
         for path, b in bytes_per_rank(w, tokens=tokens, max_nodes=max_nodes).items():
+            own = (path_costs or {}).get(path, split_overhead_us)
             row = dict(EP=w, path=path, copies=b["copies"], dispatch_MB=b["dispatch"] / 1e6,
-                       combine_MB=b["combine"] / 1e6)
+                       combine_MB=b["combine"] / 1e6, own_us=own)
             rates = {"NIC 400 Gb/s": (NIC_GBPS, NIC_GBPS), "NCCL all_to_all (80% NIC)": (NCCL_A2A_GBPS,) * 2}
             rates.update({k: v[w] for k, v in PUBLISHED.items() if w in v})
             for name, (d, c) in rates.items():
                 comm = b["dispatch"] / (d * 1e3) + b["combine"] / (c * 1e3)  # bytes / (GB/s) -> us
                 row[f"comm_us[{name}]"] = comm
-                row[f"layer_us[{name}]"] = comm + compute_us + split_overhead_us
+                row[f"layer_us[{name}]"] = comm + compute_us + own
             rows.append(row)
     return rows
 
@@ -90,12 +124,19 @@ def main(argv=None) -> int:
                    help="the rank's expert compute (default: the fused kernel at W=1, T=4096, on the H200)")
     p.add_argument("--split-overhead-us", type=float, default=0.0, help="the split path's own cost (split_bench)")
     p.add_argument("--max-nodes", type=int, default=None, help="cap a token's nodes (DeepSeek-V3 routes to <= 4)")
+    p.add_argument("--from-bench", default=None, metavar="JSON",
+                   help="compute and each path's own cost from a split_bench run at world size 1, at --tokens")
     args = p.parse_args(argv)
-    rows = model(tokens=args.tokens, compute_us=args.compute_us, split_overhead_us=args.split_overhead_us,
-                 max_nodes=args.max_nodes)
+    compute, costs = args.compute_us, None
+    if args.from_bench:
+        compute, costs = from_bench(args.from_bench, args.tokens)
+    rows = model(tokens=args.tokens, compute_us=compute, split_overhead_us=args.split_overhead_us,
+                 max_nodes=args.max_nodes, path_costs=costs)
     rate_names = [k[len("comm_us["):-1] for k in rows[0] if k.startswith("comm_us[")]
-    print(f"T={args.tokens} tokens per rank, compute {args.compute_us:.0f} us, split overhead "
-          f"{args.split_overhead_us:.0f} us; communication in us at each rate (dispatch + combine, not overlapped)")
+    own = ("each path's own cost at W=1 (split_bench): " + ", ".join(f"{k} {v:+.0f} us" for k, v in costs.items())
+           if costs else f"split overhead {args.split_overhead_us:.0f} us")
+    print(f"T={args.tokens} tokens per rank, compute {compute:.0f} us, {own}; communication in us at each rate "
+          f"(dispatch + combine, not overlapped)")
     layer = "NCCL all_to_all (80% NIC)"
     print("| EP | path | copies/token | out MB | back MB | " + " | ".join(rate_names) + f" | layer us ({layer}) |")
     print("|---|---|---|---|---|" + "---|" * (len(rate_names) + 1))

@@ -14,7 +14,9 @@ For each T (tokens per rank; capacity T rounded up to a power of two), side by s
   engines        the local engines alone over the call's rows (the rows quantized, the experts computed, the slots
                  reduced): torch_fp8_block128 (torch._scaled_mm blockwise, one GEMM per expert) and torch_fp8_rowwise
                  (torch._scaled_grouped_mm), with their GEMMs alone (everything but the GEMMs already done), and
-                 the split layer over each (eager for block128, which reads counts on the host; captured for rowwise)
+                 the split layer over each (eager for block128, which reads counts on the host; captured for rowwise);
+                 on a GPU each engine again with its non-GEMM steps in torch ops instead of its Triton kernels
+                 (`_torchops` columns: what the kernels save; ops_bitwise: the two outputs equal bit for bit)
   auto           backend="auto": what it measured and chose for this capacity (fused or split with the fused engine:
                  the paths that keep the format's numerics), and its captured time
 Error columns: each torch engine's worst per-token relative error against the fused layer's output (their numerics
@@ -110,43 +112,26 @@ def _init(cpu: bool):
 
 
 class _Gemms:
-    """The torch engines' GEMMs alone over one call's rows (quantized operands prepared once): what the engines
-    would cost if everything around the GEMMs were free."""
+    """The torch engines' GEMMs alone over one call's rows, through the engines' own stages (rows laid out, FC2
+    operands computed once beforehand): what the engines would cost if everything around the GEMMs were free."""
 
     def __init__(self, block_engine, rowwise_engine, x, idx, w):
-        from moe_ep.formats.codecs import fp8_quantize_rows
-        from moe_ep.split.torch_engine import FC2_BLOCK, _pairs, _rowwise
-
-        e, i = block_engine._w13.shape[0], block_engine._w2.shape[2]
         ids = idx.to(torch.int32)
-        order, row, counts = _pairs(ids, e)
-        live = int(counts.sum())
-        act = block_engine.quantize(x)
-        self.a_q, self.a_s = act.q.index_select(0, row[:live]), act.scale.index_select(0, row[:live])
-        self.counts = counts.tolist()
-        self.y_q, self.y_s = fp8_quantize_rows(torch.randn(live, i, device=x.device) * 0.1, FC2_BLOCK,
-                                               reciprocal=True)
-        self.fc1 = torch.empty(live, 2 * i, dtype=torch.bfloat16, device=x.device)
-        self.fc2 = torch.empty(live, x.shape[1], dtype=torch.bfloat16, device=x.device)
         self.block, self.rowwise = block_engine, rowwise_engine
-        xr = x.index_select(0, row[:live])
-        self.xq, self.xs = _rowwise(xr)
-        self.yq, self.ys = _rowwise(torch.randn(live, i, device=x.device, dtype=torch.bfloat16))
-        self.offs = torch.cumsum(counts, 0).to(torch.int32)
-        self.tcounts = counts
+        self.bc = block_engine.stage(block_engine.quantize(x), ids, w)
+        block_engine.fc1(self.bc)
+        block_engine.act(self.bc)
+        self.rc = rowwise_engine.stage(x, ids, w)
+        rowwise_engine.fc1(self.rc)
+        rowwise_engine.act(self.rc)
 
     def block128(self):
-        b, at = self.block, 0
-        for x, m in enumerate(self.counts):
-            if m:
-                self.fc1[at:at + m] = b._mm(self.a_q[at:at + m], self.a_s[at:at + m], b._w13[x], b._s13[x], 128)
-                self.fc2[at:at + m] = b._mm(self.y_q[at:at + m], self.y_s[at:at + m], b._w2[x], b._s2[x], 128)
-            at += m
+        self.block.fc1(self.bc)
+        self.block.fc2(self.bc)
 
     def grouped(self):
-        r = self.rowwise
-        r._gmm(self.xq, self.xs, r._w13, r._s13, self.offs, self.tcounts)
-        r._gmm(self.yq, self.ys, r._w2, r._s2, self.offs, self.tcounts)
+        self.rowwise.fc1(self.rc)
+        self.rowwise.fc2(self.rc)
 
 
 def transport_facts() -> Dict[str, str]:
@@ -246,18 +231,24 @@ def run(args) -> Dict[str, object]:
         # The local engines alone, over this call's rows (W=1: every token, all K slots local).
         local = moe_ep.MoESpec(h, i, e, k, cap)
         ids32 = idx.to(torch.int32)
-        engines = {}
+        engines, outs = {}, {}
         for name in ("torch_fp8_block128", "torch_fp8_rowwise"):
-            def build(name=name):
-                eng = engine_class(name)(local, ctx, "fp8_block")
+            def build(name=name, **opts):
+                eng = engine_class(name)(local, ctx, "fp8_block", **opts)
                 eng.prepare_weights(weights)
                 return eng
             engines[name] = _try(notes, f"T={t} {name} build", build, None)
+            if engines[name] is not None:
+                row[f"kernels_{name.replace('torch_', '')}"] = engines[name].kernels
+            if dev.type == "cuda" and engines[name] is not None and engines[name].kernels != "torch":
+                # The same engine with its non-GEMM steps in torch ops: what the kernels save, and their bytes.
+                engines[name + ":torch"] = _try(notes, f"T={t} {name} build (torch ops)",
+                                                lambda name=name: build(name, kernels="torch"), None)
         for name, eng in engines.items():
             if eng is None:
                 continue
-            out_e = torch.empty_like(out_f)
-            key = name.replace("torch_", "")
+            out_e = outs[name] = torch.full_like(out_f, float("nan"))
+            key = name.replace("torch_", "").replace(":torch", "_torchops")
 
             def call(eng=eng, out_e=out_e):
                 rows_in = eng.quantize(x) if eng.takes_quantized else x
@@ -267,6 +258,13 @@ def run(args) -> Dict[str, object]:
             if eng.capturable and dev.type == "cuda":
                 row[f"engine_{key}_graph_us"] = _try(notes, f"T={t} {name} captured",
                                                      lambda: clock.us(_graph(call, dev)))
+            if name.endswith(":torch") and name[:-len(":torch")] in outs:
+                row[f"ops_bitwise_{key[:-len('_torchops')]}"] = bool(torch.equal(out_e, outs[name[:-len(":torch")]]))
+        for name in [n for n in engines if n.endswith(":torch")]:
+            if engines[name] is not None:
+                engines[name].close()
+            del engines[name]
+        outs.clear()
         if all(v is not None for v in engines.values()):
             gemms = _try(notes, f"T={t} GEMM operands", lambda: _Gemms(engines["torch_fp8_block128"],
                                                                        engines["torch_fp8_rowwise"], x, idx, w), None)
@@ -325,7 +323,10 @@ COLS = [("T", "{}"), ("fused_graph_us", "{:.0f}"), ("split_graph_us", "{:.0f}"),
         ("split_fp8wire_graph_us", "{:.0f}"), ("split_fp8wire_bitwise", "{}"), ("two_level_graph_us", "{:.0f}"),
         ("two_level_bitwise", "{}"), ("two_level_fp8wire_graph_us", "{:.0f}"), ("two_level_fp8wire_bitwise", "{}"),
         ("engine_fp8_block128_us", "{:.0f}"), ("gemm_block128_us", "{:.0f}"), ("split_fp8_block128_us", "{:.0f}"),
-        ("err_fp8_block128", "{:.3f}"), ("engine_fp8_rowwise_us", "{:.0f}"), ("engine_fp8_rowwise_graph_us", "{:.0f}"),
+        ("err_fp8_block128", "{:.3f}"), ("engine_fp8_block128_torchops_us", "{:.0f}"),
+        ("ops_bitwise_fp8_block128", "{}"),
+        ("engine_fp8_rowwise_us", "{:.0f}"), ("engine_fp8_rowwise_graph_us", "{:.0f}"),
+        ("engine_fp8_rowwise_torchops_graph_us", "{:.0f}"), ("ops_bitwise_fp8_rowwise", "{}"),
         ("gemm_grouped_rowwise_us", "{:.0f}"), ("split_fp8_rowwise_us", "{:.0f}"), ("err_fp8_rowwise", "{:.3f}"),
         ("auto_plan", "{}"), ("auto_graph_us", "{:.0f}"), ("best", "{}"), ("pct_dense_fused_graph", "{:.0f}%"),
         ("pct_dense_best", "{:.0f}%"), ("best_any", "{}"), ("pct_dense_best_any", "{:.0f}%")]

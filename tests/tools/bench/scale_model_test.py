@@ -1,6 +1,7 @@
 """The scale-out cost model (tools/bench/scale_model.py): its fan-out formula against sampled routings, what it
 says two_level saves, and its table. The published rates it quotes are data, checked by reading their sources
 (docs/scale-out.md cites them)."""
+import json
 import sys
 
 import pytest
@@ -34,6 +35,26 @@ def test_the_table_prints_every_ep_and_path(capsys):
     assert sm.main(["--tokens", "512", "--compute-us", "575"]) == 0
     out = capsys.readouterr().out
     assert out.count("| 16 |") == 3 and out.count("| 64 |") == 3 and "DeepEP V1 normal" in out
+
+
+def test_from_bench_takes_compute_and_each_paths_own_cost(tmp_path, capsys):
+    row = dict(T=512, fused_graph_us=500.0, split_fp8wire_graph_us=650.0, two_level_graph_us=610.0,
+               two_level_fp8wire_graph_us=620.0)
+    path = tmp_path / "split_bench.json"
+    path.write_text(json.dumps({"rows": [row, dict(T=1024, fused_graph_us=float("nan"))]}))
+    compute, costs = sm.from_bench(str(path), 512)
+    assert compute == 500.0 and costs == {"split (FP8 out, bf16 back)": 150.0,
+                                          "two_level (bf16 out, as built)": 110.0, "two_level (FP8 out)": 120.0}
+    rows = sm.model(tokens=512, compute_us=compute, path_costs=costs)
+    for r in rows:
+        comm = r["comm_us[NIC 400 Gb/s]"]
+        assert r["layer_us[NIC 400 Gb/s]"] == pytest.approx(comm + 500.0 + costs[r["path"]])
+    assert sm.main(["--tokens", "512", "--from-bench", str(path)]) == 0
+    assert "+150 us" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no row at T=4096"):
+        sm.from_bench(str(path), 4096)
+    with pytest.raises(SystemExit, match="no fused_graph_us"):
+        sm.from_bench(str(path), 1024)
 
 
 if __name__ == "__main__":
