@@ -17,7 +17,8 @@ A second Bazel, a server with its own --output_user_root under TEST_TMPDIR, runs
 
 Then a batch Bazel in examples/downstream/wrong_pin, an engine whose own Hopper pin has the wrong sha256, with a
 stand-in for pip (no network): the fetch fails, and its explanation, printed once for two targets that need the
-tree, tells the engine what to change in its own WORKSPACE, not in megamoe-ep's files.
+tree, tells the engine what to change in its own WORKSPACE, not in megamoe-ep's files; and the fetch prints none of
+Bazel's download lines (a first build is quiet).
 
 Offline and quick: the drop trees and the venv the outer build already has are handed over with
 --override_repository (tests/foundation/nested_bazel.py). @remote_coverage_tools is not: the example's own
@@ -212,6 +213,11 @@ def test_a_consumers_wrong_pin_is_explained_once_in_the_consumers_terms(tmp_path
                  "in your\nWORKSPACE", "sha256sum"):
         assert want in box, f"the explanation lacks {want!r}:\n{box}"
     assert "workspace.bzl" not in box and "bazel run //tools:drop -- bump" not in box, box
+    # Nothing else from the fetch: the repository-cache miss and the wheel's hash print no Bazel line of their own
+    # (a probe URL that does not exist printed "WARNING: Download from ... failed", a download without an expected
+    # hash "INFO: SHA256 (...) = ...", one per tree, on every first build).
+    noise = [l for l in said.splitlines() if re.match(r"(WARNING: Download from|INFO: SHA256 )", l)]
+    assert not noise, "the fetch printed Bazel's download lines:\n" + "\n".join(noise)
     # Each target that needed the tree repeats one line pointing at it, not the explanation.
     repeats = [l for l in said.splitlines() if l.startswith("ERROR") and "printed above" in l]
     assert len(repeats) >= 2, f"expected an error line per target that needs the tree:\n{said[-6000:]}"

@@ -125,10 +125,10 @@ def _fetch_carrier(ctx, carrier_zip):
     """Puts the pinned wheel at `carrier_zip` (named .zip so that extract() treats it as one)."""
     want = ctx.attr.sha256
 
-    # 1. Repository cache. On a hit Bazel never touches the URL; on a miss the URL does not exist
-    #    and allow_fail turns the miss into success = False.
+    # 1. Repository cache, by hash and version alone. No URL, so that a miss is success = False with nothing
+    #    printed: a URL that fails makes Bazel print a "WARNING: Download from ... failed" line.
     cached = ctx.download(
-        url = "file://" + str(ctx.path("_carrier/not-in-repository-cache.whl")),
+        url = [],
         output = carrier_zip,
         sha256 = want,
         canonical_id = _canonical_id(ctx),
