@@ -73,6 +73,16 @@ def _summary(log: str) -> str:
     return lines[-1][:200] if lines else "(no output)"
 
 
+def selected(arch: str, only: Optional[List[str]] = None, root: Path = ROOT) -> List[Dict]:
+    """The arch's GPU tests; with `only`, those whose name holds one of its words, in its order (under a budget,
+    what matters most runs first)."""
+    tests = gpu_tests(arch, root)
+    if not only:
+        return tests
+    return sorted((t for t in tests if any(o in t["name"] for o in only)),
+                  key=lambda t: next(n for n, o in enumerate(only) if o in t["name"]))
+
+
 def run(arch: str, out: Path, nproc: int, timeout_s: float, only: Optional[List[str]] = None,
         budget_s: float = math.inf, root: Path = ROOT, min_test_s: float = MIN_TEST_S) -> List[Dict]:
     out.mkdir(parents=True, exist_ok=True)
@@ -82,11 +92,7 @@ def run(arch: str, out: Path, nproc: int, timeout_s: float, only: Optional[List[
     def write() -> None:
         (out / "gpu_suite.json").write_text(json.dumps(dict(arch=arch, nproc=nproc, tests=rows), indent=1) + "\n")
 
-    tests = gpu_tests(arch, root)
-    if only:  # in the order given: under a budget, what matters most runs first
-        tests = sorted((t for t in tests if any(o in t["name"] for o in only)),
-                       key=lambda t: next(n for n, o in enumerate(only) if o in t["name"]))
-    for test in tests:
+    for test in selected(arch, only, root):
         left = budget_s - (time.monotonic() - t0)
         if left < min_test_s:  # too little left to start a test: say so rather than time it out
             rows.append(dict(test, rc=None, seconds=0.0, summary=f"not run: the {budget_s:.0f} s budget was spent"))
@@ -124,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="list the tests and their commands, run nothing")
     args = ap.parse_args(argv)
     if args.dry_run:
-        for t in gpu_tests(args.arch):
+        for t in selected(args.arch, args.only):
             env = " ".join(f"{k}={v}" for k, v in sorted(t["env"].items()))
             print(f"{t['name']:<32} MOE_EP_ARCH={args.arch} {env + ' ' if env else ''}python {t['main']}")
         return 0
