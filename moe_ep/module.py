@@ -33,7 +33,8 @@ from typing import Optional
 
 import torch
 
-from moe_ep.core.errors import DeviceError, DTypeError, IntegrationError, ShapeError, WeightsRankError
+from moe_ep.core.errors import (CheckpointError, DeviceError, DTypeError, IntegrationError, ShapeError,
+                                WeightsRankError)
 from moe_ep.core.layer import MoELayer
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
@@ -113,6 +114,7 @@ class MoEModule(torch.nn.Module):
             if tuple(got.shape) != tuple(want.shape):
                 raise ShapeError(prefix + name, f"expected {list(want.shape)} (fmt {mine.fmt!r}), got "
                                                 f"{list(got.shape)}")
+            _check_values(prefix + name, got)
             tensors[name] = got.detach().to(want.device).clone()
         self._reload(QuantizedWeights(mine.fmt, expert_offset=offset, **tensors))
 
@@ -174,6 +176,26 @@ class MoEModule(torch.nn.Module):
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _check_values(name: str, t: torch.Tensor) -> None:
+    """What a pack's tensor can mean: weights without NaN (codes or values), scales finite and >= 0 (a zero scale is
+    a block of zeros); CheckpointError naming the state-dict key otherwise, before the layer changes."""
+    from moe_ep.checkpoint.tensors import expect_codes, expect_finite, expect_scales
+
+    if name.rpartition(".")[2] in ("w13_q", "w2_q"):
+        if t.dtype == torch.float8_e4m3fn:
+            expect_codes(t, name)
+        elif t.is_floating_point():
+            expect_finite(t, name)
+    elif t.dtype == getattr(torch, "float8_e8m0fnu", None):
+        if bool((t.view(torch.uint8) == 255).any()):
+            raise CheckpointError(name, "holds the e8m0 NaN code 255")
+    elif t.dtype == torch.float8_e4m3fn:
+        expect_codes(t, name)
+        expect_scales(t, name)
+    elif t.is_floating_point():
+        expect_scales(t, name)
 
 
 def _guarded_apply(self, fn, recurse=True):

@@ -236,7 +236,7 @@ def gpt_oss_mxfp4(gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, do
             codes, sc = _mxfp4_window(codes, sc, report)
             dst_q.copy_(codes)
             dst_s.view(_U8).copy_(sc)
-    if report.changed:
+    if fmt == "bf16" and report.changed:
         report.note("bf16 cannot hold some of these values (an e8m0 exponent beyond bf16's range)")
     extras = GptOssExtras(None if gate_up_bias is None else _deinterleave_rows(gate_up_bias.to(_F32)),
                           None if down_bias is None else down_bias.to(_F32))
