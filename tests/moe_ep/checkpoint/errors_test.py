@@ -169,5 +169,75 @@ def test_a_failed_load_leaves_nothing_behind(tmp_path, conv, drop):
     assert len(kept) == 2 and len(_pack_tensors()) == before
 
 
+def test_an_expert_tensor_the_layer_would_not_compute_is_refused_not_dropped(tmp_path):
+    bias = f"{STEM}.2.up_proj.bias"
+    synth.write(tmp_path, "hf_bf16", edit={bias: torch.ones(128).bfloat16()})
+    ck = checkpoint.Checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="does not compute") as e:
+        ck.load_experts(1)
+    assert e.value.tensor == bias and e.value.file.endswith(".safetensors")
+    with one_rank_gloo_group():
+        with pytest.raises(CheckpointError, match="does not compute"):
+            checkpoint.load_layer(tmp_path, 1, _spec())
+
+
+def test_gpt_oss_saved_by_transformers_in_bf16_is_recognised_and_refused_by_name(tmp_path):
+    pytest.importorskip("transformers")
+    from moe_ep.testing import hf_matrix
+
+    model = hf_matrix.tiny_model("gpt_oss")
+    model.save_pretrained(tmp_path)
+    ck = checkpoint.Checkpoint(tmp_path)
+    assert ck.convention.name == "gpt_oss_bf16"
+    with one_rank_gloo_group():
+        with pytest.raises(CheckpointError, match="gpt_oss_bf16 experts compute what moe_ep's layer does not") as e:
+            checkpoint.load_layer(tmp_path, 0, moe_ep.MoESpec(128, 128, 8, 2, 8))
+    assert e.value.tensor == "model.layers.0.mlp.experts.gate_up_proj"
+    loaded = ck.load_experts(0, 1, 2)  # its weights, in moe_ep's layout, and what the layer leaves out
+    ex = model.model.layers[0].mlp.experts
+    g = ex.gate_up_proj.detach()[4:]
+    assert torch.equal(loaded.weights.w13, torch.cat((g[:, :, 0::2], g[:, :, 1::2]), dim=2).transpose(1, 2))
+    assert torch.equal(loaded.weights.w2, ex.down_proj.detach()[4:].transpose(1, 2))
+    b = ex.gate_up_proj_bias.detach()[4:].float()
+    assert torch.equal(loaded.extras["gpt_oss"].gate_up_bias, torch.cat((b[:, 0::2], b[:, 1::2]), dim=1))
+
+
+@pytest.mark.parametrize("which", ["gate", "up"])
+def test_a_zero_scale_is_a_block_of_zeros_and_the_load_stays_exact(tmp_path, which):
+    """A zero block scale that must share the other half's scale in fp8_block: its values are zero under any
+    scale, so its codes become zeros, nothing changes, and the load is exact (not an InexactCheckpointError with
+    nothing changed)."""
+    t = synth.tensors("deepseek_fp8", agree=True)
+    name = f"{STEM}.1.{which}_proj.weight_scale_inv"
+    zero = t[name].clone()
+    zero[0, 0] = 0.0
+    written = synth.write(tmp_path, "deepseek_fp8", agree=True, shards=0, edit={name: zero})
+    loaded = checkpoint.Checkpoint(tmp_path).load_experts(1, fmt="fp8_block")
+    assert loaded.report.exact and loaded.report.changed == 0 and loaded.report.rescaled_blocks == 0
+    got13, got2 = loaded.weights.qw.dequantize()
+    want13, want2 = synth.dequantized(written, "deepseek_fp8")[:2]
+    assert torch.equal(got13, want13) and torch.equal(got2, want2)
+    half = slice(0, 128) if which == "gate" else slice(128, 256)
+    assert not bool(got13[1, half][:128, :128].any())  # the zero-scale block reads as zeros
+
+
+def test_nan_codes_are_damage_named_with_their_file(tmp_path):
+    name = f"{STEM}.3.down_proj.weight"
+    t = synth.tensors("deepseek_fp8", agree=True)
+    bad = t[name].clone()
+    bad.view(torch.uint8)[5, 7] = 0xFF
+    synth.write(tmp_path, "deepseek_fp8", agree=True, edit={name: bad})
+    with pytest.raises(CheckpointError, match="e4m3 NaN codes") as e:
+        checkpoint.Checkpoint(tmp_path).load_experts(1)
+    assert e.value.tensor == name and e.value.file.endswith(".safetensors")
+
+
+def test_gpt_oss_reports_say_bf16_cannot_hold_values_only_for_bf16(tmp_path):
+    synth.write(tmp_path, "gpt_oss_mxfp4")
+    ck = checkpoint.Checkpoint(tmp_path)
+    for fmt in ("w4a8_mxfp4", "mxfp8"):
+        assert not any("bf16" in n for n in ck.load_experts(1, fmt=fmt, allow_inexact=True).report.notes), fmt
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
