@@ -53,6 +53,7 @@ class MoEModule(torch.nn.Module):
     def __init__(self, spec: MoESpec, weights, backend: Optional[str] = None, **layer_options):
         super().__init__()
         self._layer = MoELayer(spec, weights, backend, **layer_options)
+        self._name = layer_options.get("name") or self._layer.name  # as the caller named it (errors say so)
         self._options = dict(layer_options, backend=self._layer.backend_name, fmt=self._layer.fmt,
                              group=self._layer.ctx.group, device=self._layer.ctx.device)
 
@@ -78,7 +79,7 @@ class MoEModule(torch.nn.Module):
             self._layer(hidden.detach()[:0], topk_idx[:0], topk_weights.detach()[:0],
                         max_tokens_across_ranks=max_tokens_across_ranks)
         which = "hidden" if hidden.requires_grad else "topk_weights"
-        raise IntegrationError(self._layer.name or "hidden", f"a forward that needs a gradient ({which} requires "
+        raise IntegrationError(self._name or "hidden", f"a forward that needs a gradient ({which} requires "
                                                              f"grad under grad mode): moe_ep computes no gradients "
                                                              f"(it serves inference); run under "
                                                              f"torch.inference_mode() or torch.no_grad()")
@@ -154,11 +155,11 @@ class MoEModule(torch.nn.Module):
 
     # A copy would be a second layer over the same workspace share, built on one rank only.
     def __deepcopy__(self, memo):
-        raise IntegrationError(self._layer.name or "MoEModule", "an moe_ep layer cannot be copied (its workspace "
+        raise IntegrationError(self._name or "MoEModule", "an moe_ep layer cannot be copied (its workspace "
                                                                 "is collective): build a new one on every rank")
 
     def __reduce_ex__(self, protocol):
-        raise IntegrationError(self._layer.name or "MoEModule", "an moe_ep layer cannot be pickled (it holds a "
+        raise IntegrationError(self._name or "MoEModule", "an moe_ep layer cannot be pickled (it holds a "
                                                                 "process group and a collective workspace); save "
                                                                 "its state_dict() instead")
 
