@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["moe_architectures", "tiny_config", "tiny_model", "check_architecture", "run_matrix", "SKIP_BUILD"]
+__all__ = ["moe_architectures", "tiny_config", "tiny_model", "check_architecture", "run_matrix", "table",
+           "verdict_problems", "SKIP_BUILD"]
 
 _FIXED = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
               max_position_embeddings=256, initializer_range=0.1, q_lora_rank=64, kv_lora_rank=32,
@@ -261,7 +262,8 @@ def check_architecture(arch: str, model_type: Optional[str], kind: str, *, group
         return dict(row, status="not_built", why=f"reference run: {type(e).__name__}: {str(e)[:300]}")
     swapped = swap_experts(model, group=group, backend=backend, fmt=fmt, max_tokens_per_rank=capacity)
     layer = next(iter(swapped.values())).layer
-    row.update(status="served", layers=len(swapped), backend=layer.backend_name, fmt=layer.fmt, against=against)
+    row.update(status="served", layers=len(swapped), backend=layer.backend_name, fmt=layer.fmt, against=against,
+               clamp=layer.spec.gate_up_clamp, top_k=layer.spec.top_k)
     tol = logits_tol if logits_tol is not None else (
         hf_models.same_format_tol(layer.fmt, layer.spec.intermediate_size) if against == "torch_reference"
         else hf_models.LOGITS_TOL.get(layer.fmt, 0.15))
@@ -342,6 +344,46 @@ def run_matrix(archs: Optional[List[str]] = None, *, threads: Optional[int] = 1,
         if archs is None or arch in archs:
             rows.append(check_architecture(arch, mt, kind, **kw))
     return rows
+
+
+def verdict_problems(row: Dict[str, Any]) -> List[str]:
+    """What is wrong with one matrix row: a served model outside its bound, a refusal that is not a typed
+    IntegrationError naming a module, a model the matrix could not build. Empty when the row is as it must be."""
+    status = row.get("status")
+    if status == "served":
+        return [] if row.get("ok") else [f"served but not within its bound: {row.get('detail', row)}"]
+    if status == "refused":
+        if row.get("error") != "IntegrationError" or not row.get("argument") or not row.get("why"):
+            return [f"refused without a typed error naming a module: {row}"]
+        return []
+    return [f"not checked: {row.get('why')}"]
+
+
+def table(rows: List[Dict[str, Any]]) -> str:
+    """Markdown: one line per architecture (and world size / backend when the rows hold several)."""
+    head = ("| architecture | model type | world | backend / fmt | verdict | rel. L2 of logits (prefill / decode) | "
+            "bound | positions compared | greedy tokens matched | why |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        def num(k):
+            v = r.get(k)
+            return "-" if v is None else f"{v:.4f}"
+        verdict = {"served": "served" if r.get("ok") else "**served, OUT OF BOUND**", "refused": "refused",
+                   "not_built": "**not checked**"}.get(r["status"], r["status"])
+        extra = []
+        if r.get("clamp"):
+            extra.append(f"clamp {r['clamp']:g}")
+        if r["status"] == "served" and r.get("top_k") == 1 and r["arch"] == "llama4":
+            extra.append("top-1, router score on the input")
+        why = r.get("why", "; ".join(extra))
+        compared = r.get("compared_positions")
+        compared = "-" if compared is None else f"{compared:.0%}"
+        lines.append(f"| {r['arch']} | {r['model_type']} | {r['world_size']} | "
+                     f"{r.get('backend', '-')} / {r.get('fmt', '-')} | {verdict} | "
+                     f"{num('prefill_rel_logits_err')} / {num('decode_rel_logits_err')} | {num('logits_tol')} | "
+                     f"{compared} | "
+                     f"{r.get('matched_tokens', '-')} | {str(why).replace('|', '/')[:160]} |")
+    return "\n".join(lines)
 
 
 def _quiet() -> None:
