@@ -214,9 +214,11 @@ def tiny_model(model_type: str, kind: str = "causal_lm", *, seed: int = 0, dtype
 
 def check_architecture(arch: str, model_type: Optional[str], kind: str, *, group=None, backend=None, fmt=None,
                        new_tokens: int = 16, batch: int = 2, prompt_len: int = 10, capacity: int = 16, seed: int = 0,
-                       logits_tol: Optional[float] = None, against: str = "transformers") -> Dict[str, Any]:
+                       logits_tol: Optional[float] = None, against: str = "transformers",
+                       uneven: bool = False) -> Dict[str, Any]:
     """Collective over `group`: one architecture's tiny model, swap_experts, and the check of what it returns.
     Returns {arch, model_type, kind, status, ...}: "refused" with the typed error's type, argument and message;
+    Every rank has its own prompts (seeded by rank); uneven: odd ranks one row fewer (the token counts differ).
     "served" with the check's numbers and `ok` (generative models: compare_run, logits and `new_tokens` greedy
     tokens; base models and backbones: one teacher-forced forward's outputs, positions whose routes moved
     excluded); "not_built" with why the tiny model could not be made or run (a gap in the matrix, reported)."""
@@ -245,7 +247,7 @@ def check_architecture(arch: str, model_type: Optional[str], kind: str, *, group
             return dict(row, status="refused", error=type(e).__name__, argument=e.argument, why=e.detail)
         close(model)
         return dict(row, status="served", ok=False, why="refusals() named modules but swap_experts served them")
-    ids = hf_models.prompt_ids(max(1, batch - ctx.rank % 2), prompt_len, seed=100 * seed + ctx.rank,
+    ids = hf_models.prompt_ids(max(1, batch - ctx.rank % 2) if uneven else batch, prompt_len, seed=100 * seed + ctx.rank,
                                device=ctx.device, vocab=min(_vocab(model), 200))
     generative = kind in ("causal_lm", "image_text")
     run = (lambda m: hf_models.reference_run(m, ids, new_tokens)) if generative else (lambda m: _forward(m, ids))
@@ -273,12 +275,14 @@ def check_architecture(arch: str, model_type: Optional[str], kind: str, *, group
             result = hf_models.compare_run(model, ref, new_tokens, logits_tol=tol, min_compared=min_compared)
         else:
             result = _compare_forward(model, ids, ref, tol, min_compared)
+    except Exception as e:  # noqa: BLE001 - a served model whose check fails: a failed row, not a lost matrix
+        result = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
     finally:
         close(model)
     keep = ("ok", "prefill_rel_logits_err", "decode_rel_logits_err", "logits_tol", "compared_positions",
             "compared_steps", "steps", "near_ties")
     row.update({k: result[k] for k in keep if k in result})
-    if generative:
+    if "rows" in result:
         row["matched_tokens"] = [r["matched_tokens"] for r in result["rows"]]
     if not result["ok"]:
         row["detail"] = result

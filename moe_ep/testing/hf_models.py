@@ -68,17 +68,24 @@ def tiny_model(arch: str, *, seed: int = 0, dtype=torch.bfloat16, device="cpu", 
 
 def greedy(model, ids: torch.Tensor, new_tokens: int, with_logits: bool = False):
     """Greedy generation of exactly `new_tokens` tokens (no early stop: every rank makes the same calls); with
-    with_logits, also the raw logits each step chose from ([B, new_tokens, V], fp32)."""
+    with_logits, also the raw logits each step chose from ([B, new_tokens, V], fp32). The model's own generation
+    config is set aside while it runs: generate() fills a config's unset fields from it, an EOS token included, and
+    a rank whose row emitted it would stop early and leave the others waiting in a layer call."""
     cfg = copy.deepcopy(model.generation_config)
     cfg.eos_token_id = None
     cfg.pad_token_id = 0
     cfg.do_sample = False
     cfg.max_new_tokens = new_tokens
     cfg.min_new_tokens = None
-    with torch.no_grad():
-        if not with_logits:
-            return model.generate(ids, generation_config=cfg)
-        out = model.generate(ids, generation_config=cfg, output_logits=True, return_dict_in_generate=True)
+    own = model.generation_config
+    model.generation_config = cfg
+    try:
+        with torch.no_grad():
+            if not with_logits:
+                return model.generate(ids, generation_config=cfg)
+            out = model.generate(ids, generation_config=cfg, output_logits=True, return_dict_in_generate=True)
+    finally:
+        model.generation_config = own
     return out.sequences, torch.stack([x.float() for x in out.logits], dim=1)
 
 
