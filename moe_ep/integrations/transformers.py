@@ -55,6 +55,8 @@ _WEIGHTS = ("gate_up_proj", "down_proj")
 _TOPK_ATTRS = ("top_k", "num_experts_per_tok", "top_k_experts", "moe_topk", "moe_k", "num_experts_per_token")
 # Blocks whose own forward moe_ep reproduces (the router's score scales the input before the experts).
 _TOP1_SCALED_BLOCKS = ("Llama4TextMoe",)
+# Class-name endings of MoE blocks: one with no experts module moe_ep recognises under it is refused by name.
+_MOE_BLOCK_SUFFIXES = ("MoE", "Moe", "MoeBlock", "MoEBlock", "MoeLayer", "MoELayer")
 
 
 def _interface():
@@ -297,6 +299,14 @@ def _analyse(model: torch.nn.Module, world_size: int, hf_moe=None) -> Tuple[List
             refused.append((name, why))
         else:
             sites.append(site)
+    # An MoE block whose experts are none of the above (Doge's embedding experts): refused by its own name.
+    for name, m in modules.items():
+        if (type(m).__name__.endswith(_MOE_BLOCK_SUFFIXES) and name not in covered
+                and not any(n.startswith(name + ".") for n in covered)):
+            covered.update(n for n in modules if n == name or n.startswith(name + "."))
+            refused.append((name, f"{type(m).__name__} holds its experts in a form moe_ep does not know (no "
+                                  f"transformers experts module under it)"))
+    refused.sort(key=lambda r: list(modules).index(r[0]))
     return sites, refused
 
 

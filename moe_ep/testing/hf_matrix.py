@@ -66,7 +66,8 @@ _EXTRA: Dict[str, Dict[str, Any]] = {
     "glm4v_moe_text": dict(rope_parameters=dict(_MROPE, partial_rotary_factor=0.5, mrope_section=[2, 3, 3])),
     "hy_v4_vl_text": dict(rope_parameters=dict(_MROPE, mrope_section=[2, 3, 3])),
     "glm5_next_text": dict(qk_rope_head_dim=0, head_dim=0),  # its DSA layers have no rotary part
-    "lara_mini": dict(layer_types=_FULL2),  # a third (linear-attention) MoE layer reroutes most positions
+    "lara_mini": dict(layer_types=_FULL2),
+    "doge": dict(is_moe=True),  # its default config has no MoE  # a third (linear-attention) MoE layer reroutes most positions
     "vitpose_backbone": dict(part_features=32, stage_names=["stem", "stage1", "stage2"], out_features=["stage2"],
                              out_indices=None),
 }
