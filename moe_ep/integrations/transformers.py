@@ -270,7 +270,7 @@ def _looks_routed(name: str, m: torch.nn.Module) -> bool:
             or hasattr(m, "is_concatenated"))
 
 
-def _analyse(model: torch.nn.Module, world_size: int, hf_moe=None) -> Tuple[List[_Site], List[Tuple[str, str]]]:
+def _analyse(model: torch.nn.Module, world_size: int) -> Tuple[List[_Site], List[Tuple[str, str]]]:
     """(the sites moe_ep serves, [(module, why not)] for every routed-experts module it does not)."""
     modules = dict(model.named_modules())
     sites: List[_Site] = []
@@ -376,7 +376,7 @@ def swap_experts(model: torch.nn.Module, *, group=None, device=None, backend: Op
     def plan():
         if getattr(model, "_moe_ep_swapped", None) is not None:
             raise IntegrationError("model", "this model's experts are already on moe_ep")
-        sites, refused = _analyse(model, ctx.world_size, hf_moe)
+        sites, refused = _analyse(model, ctx.world_size)
         if refused:
             name, why = refused[0]
             more = f" (and {len(refused) - 1} more: {[n for n, _ in refused[1:4]]})" if len(refused) > 1 else ""

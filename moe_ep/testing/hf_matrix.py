@@ -18,7 +18,6 @@ FP8 and W4A8 kernels.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -58,16 +57,16 @@ _EXTRA: Dict[str, Dict[str, Any]] = {
     "bailing_hybrid": dict(layer_types=_FULL2),
     "dots3_note_text": dict(head_dim=32),  # its sliding-window head: qk_nope_head_dim + qk_rope_head_dim
     "mistral4": dict(head_dim=32),
-    "ernie4_5_vl_moe": dict(text_config=dict(moe_intermediate_size=[128, 128],
-                                             rope_parameters=dict(_MROPE, rope_theta=500000.0, mrope_section=[6, 6, 4]))),
+    "ernie4_5_vl_moe": dict(text_config=dict(
+        moe_intermediate_size=[128, 128], rope_parameters=dict(_MROPE, rope_theta=500000.0, mrope_section=[6, 6, 4]))),
     "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"])),
     "step3p7": dict(text_config=dict(sliding_window=64)),
     "qwen3_omni_moe_thinker": dict(vision_start_token_id=230),
     "glm4v_moe_text": dict(rope_parameters=dict(_MROPE, partial_rotary_factor=0.5, mrope_section=[2, 3, 3])),
     "hy_v4_vl_text": dict(rope_parameters=dict(_MROPE, mrope_section=[2, 3, 3])),
     "glm5_next_text": dict(qk_rope_head_dim=0, head_dim=0),  # its DSA layers have no rotary part
-    "lara_mini": dict(layer_types=_FULL2),
-    "doge": dict(is_moe=True),  # its default config has no MoE  # a third (linear-attention) MoE layer reroutes most positions
+    "lara_mini": dict(layer_types=_FULL2),  # a third (linear-attention) MoE layer reroutes most positions
+    "doge": dict(is_moe=True),  # its default config has no MoE
     "vitpose_backbone": dict(part_features=32, stage_names=["stem", "stage1", "stage2"], out_features=["stage2"],
                              out_indices=None),
 }
@@ -248,8 +247,9 @@ def check_architecture(arch: str, model_type: Optional[str], kind: str, *, group
             return dict(row, status="refused", error=type(e).__name__, argument=e.argument, why=e.detail)
         close(model)
         return dict(row, status="served", ok=False, why="refusals() named modules but swap_experts served them")
-    ids = hf_models.prompt_ids(max(1, batch - ctx.rank % 2) if uneven else batch, prompt_len, seed=100 * seed + ctx.rank,
-                               device=ctx.device, vocab=min(_vocab(model), 200))
+    rows = max(1, batch - ctx.rank % 2) if uneven else batch
+    ids = hf_models.prompt_ids(rows, prompt_len, seed=100 * seed + ctx.rank, device=ctx.device,
+                               vocab=min(_vocab(model), 200))
     generative = kind in ("causal_lm", "image_text")
     run = (lambda m: hf_models.reference_run(m, ids, new_tokens)) if generative else (lambda m: _forward(m, ids))
     try:

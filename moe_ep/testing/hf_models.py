@@ -25,7 +25,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["ARCHS", "tiny_config", "tiny_model", "greedy", "RouteRecorder", "reference_run", "compare_run", "prompt_ids"]
+__all__ = ["ARCHS", "tiny_config", "tiny_model", "greedy", "RouteRecorder", "reference_run", "compare_run",
+           "prompt_ids"]
 
 ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
 

@@ -200,7 +200,8 @@ def control(tmp: str, *, experts: int, hidden: int, intermediate: int, layer: in
         raise RuntimeError(f"the measuring process failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     pack_mib = experts * 3 * hidden * intermediate / 2 ** 20
     return dict(case="control: healthy, experts kept", damage="none", want_tensor=None, want_file=None,
-                pack_MiB=pack_mib, ok=result["kept_MiB"] > 0.8 * pack_mib and result["dropped_MiB"] < KEPT_BOUND * pack_mib,
+                pack_MiB=pack_mib,
+                ok=result["kept_MiB"] > 0.8 * pack_mib and result["dropped_MiB"] < KEPT_BOUND * pack_mib,
                 error="none (loaded)", **result)
 
 
@@ -211,7 +212,8 @@ def table(rows: List[Dict]) -> str:
         named = "-" if r["want_tensor"] is None else (
             "yes" if r.get("tensor") == r["want_tensor"] else "NO: " + str(r.get("tensor")))
         named_file = "-" if r["want_file"] is None else "yes" if r.get("file") == r["want_file"] else "NO"
-        lines.append(f"| {r['case']} | {r.get('error', 'none raised')} | {named} | {named_file} | {r['kept_MiB']:.1f} | "
+        lines.append(f"| {r['case']} | {r.get('error', 'none raised')} | {named} | {named_file} | "
+                     f"{r['kept_MiB']:.1f} | "
                      f"{r['dropped_MiB']:.1f} | {r['pack_MiB']:.0f} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
