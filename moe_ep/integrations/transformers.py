@@ -369,7 +369,7 @@ def swap_experts(model: torch.nn.Module, *, group=None, device=None, backend: Op
     Outputs come back in the hidden states' dtype; weights are held in the layer's format (bf16 copies of the
     model's experts, quantized by the backend for fp8/fp4 formats). The model's parameters no longer include
     the experts (MoEModule holds its weights in the backend's layout: docs/models.md)."""
-    hf_moe = _interface()
+    _interface()  # registers moe_ep in transformers' experts interface
     ctx = RankContext.from_group(group, device)
     box = []
 
