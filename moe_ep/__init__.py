@@ -18,9 +18,10 @@ from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, C
                                 ShapeError, SpecError, TopKMismatchError, TuningError, WeightsRankError, WorldSizeError,
                                 KnobError, ProcessGroupEnvError, WorkspaceError, WatchdogConfigError,
                                 LayerClosedError, RegistrationError, RankDivergenceError, PeerLostError,
+                                RankDisagreementError, UnknownArgumentError,
                                 DeviceUnavailableError, CheckConfigError,
                                 IntegrationError, ExpertMapError, LoadCountsError, CheckpointError,
-                                InexactCheckpointError)
+                                InexactCheckpointError, TopologyError)
 from moe_ep.core.backend import Backend
 from moe_ep.core.graphs import capture_graph
 from moe_ep.core.layer import MoELayer
@@ -42,9 +43,9 @@ __all__ = [
     "WeightsRankError", "ProcessGroupError", "PeerValidationError", "BackendNotFoundError",
     "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
-    "RankDivergenceError", "PeerLostError",
+    "RankDivergenceError", "PeerLostError", "RankDisagreementError", "UnknownArgumentError",
     "DeviceUnavailableError",
     "CheckConfigError", "IntegrationError",
     "ExpertMapError", "LoadCountsError",
-    "CheckpointError", "InexactCheckpointError",
+    "CheckpointError", "InexactCheckpointError", "TopologyError",
 ]

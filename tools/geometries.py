@@ -16,6 +16,16 @@ GEOMETRIES: Dict[str, Dict[str, int]] = {
     "qwen3_30b": dict(hidden=2048, intermediate=768, experts=128, top_k=8),
     # Mixtral-8x7B: hidden 4096, intermediate 14336, 8 experts, top-2.
     "mixtral": dict(hidden=4096, intermediate=14336, experts=8, top_k=2),
+    # One rank's experts at EP=8, laid out as a world-size-1 layer (what one GPU of an 8-GPU deployment computes; its
+    # knob choice carries to the EP=8 layer through the knob model, which matches by tokens per local expert, H, I and
+    # top-k, not by world size). From each model's config.json: hidden_size, moe_intermediate_size,
+    # n_routed_experts / num_experts divided by 8, num_experts_per_tok.
+    # Qwen3-235B-A22B: 4096, 1536, 128 / 8 = 16, top-8.
+    "qwen3_235b_ep8": dict(hidden=4096, intermediate=1536, experts=16, top_k=8),
+    # Kimi-K2: 7168, 2048, 384 / 8 = 48, top-8.
+    "kimi_k2_ep8": dict(hidden=7168, intermediate=2048, experts=48, top_k=8),
+    # GLM-4.5: 5120, 1536, 160 / 8 = 20, top-8.
+    "glm45_ep8": dict(hidden=5120, intermediate=1536, experts=20, top_k=8),
     # A small layer for quick checks.
     "small": dict(hidden=2048, intermediate=768, experts=16, top_k=4),
 }

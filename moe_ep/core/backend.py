@@ -3,7 +3,7 @@ forward() may assume well-formed, in-range, contiguous tensors on ctx.device."""
 
 from __future__ import annotations
 
-from typing import ClassVar, List, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,6 +35,8 @@ class Backend:
     # leaves a call without `out` to it (a kernel backend keys its in-place graphs by buffer addresses, and a
     # fresh output's address is the allocator's choice).
     allocates_output: ClassVar[bool] = False
+    # What the layer is called (MoELayer's name, set before prepare_weights): for a backend's own messages.
+    layer_name: str = ""
 
     def __init__(self, spec: MoESpec, ctx: RankContext, fmt: Optional[str] = None):
         self.spec = spec
@@ -46,9 +48,18 @@ class Backend:
         """(argument, message) for each rule this backend cannot meet; empty when it can serve the layer."""
         return format_violations(fmt, spec.hidden_size, spec.intermediate_size)
 
+    def agreement(self) -> Dict[str, object]:
+        """What else must be equal on every rank for this layer, beyond what the layer compares itself (the spec,
+        the format, the options): field -> value (JSON-able: ints, strings, lists). Called after __init__ and before
+        prepare_weights, inside the layer's construction agreement; a kernel backend resolves its knob set here,
+        before any workspace exists. Default: nothing more."""
+        return {}
+
     def prepare_weights(self, weights: ExpertWeights) -> None:
         """Once, at load: the layer's weights -> the kernel-ready layout. An ExpertWeights (canonical bf16) is
-        quantized into self.fmt; a QuantizedExpertWeights (already in self.fmt) is laid out as it is."""
+        quantized into self.fmt; a QuantizedExpertWeights (already in self.fmt) is laid out as it is. The result is
+        the backend's own memory: it never aliases the caller's tensors (a caller may reuse them for the next
+        layer; replace_experts writes in place)."""
         raise NotImplementedError
 
     def forward(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

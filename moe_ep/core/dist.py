@@ -7,11 +7,13 @@ rank can wait for a peer that never arrives (init_from_env sets one).
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,10 +21,10 @@ import torch.distributed as dist
 from moe_ep.core import lifecycle
 from moe_ep.core.device import cuda_device_count, describe_host, require_device
 from moe_ep.core.errors import (DeviceUnavailableError, MoEError, PeerLostError, PeerValidationError,
-                                ProcessGroupEnvError, ProcessGroupError)
+                                ProcessGroupEnvError, ProcessGroupError, RankDisagreementError)
 
 __all__ = ["RankContext", "init_from_env", "destroy_at_normal_exit", "agree", "run_agreed", "all_to_all_rows",
-           "all_gather_tensor", "DEFAULT_TIMEOUT_S", "peer_lost"]
+           "all_gather_tensor", "all_reduce_max", "DEFAULT_TIMEOUT_S", "peer_lost", "check_group", "canonical"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -51,6 +53,12 @@ class RankContext:
         if device is None:
             device = "cuda" if "nccl" in backend else "cpu"
         device = require_device(device)
+        if device.type == "cpu" and device.index is not None:
+            # The CPU has one device: "cpu:0" is it (tensors on the CPU report device "cpu", so a layer keeping the
+            # index would refuse every one of them); any other index names nothing.
+            if device.index != 0:
+                raise DeviceUnavailableError("device", f"the CPU is one device ('cpu' or 'cpu:0'), got {device}")
+            device = torch.device("cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if "nccl" in backend and device.type != "cuda":
@@ -207,6 +215,8 @@ def destroy_at_normal_exit() -> None:
 
 
 def _destroy_if_current(group) -> None:
+    if _lost:
+        return  # a peer is gone: tearing the group down would wait for it (or abort inside the transport)
     try:
         if dist.is_initialized() and dist.group.WORLD is group:
             dist.destroy_process_group()
@@ -214,19 +224,57 @@ def _destroy_if_current(group) -> None:
         pass
 
 
-def agree(ctx: RankContext, error: Optional[BaseException], what: str = "inputs") -> None:
+def canonical(value: Any) -> Any:
+    """A value as every rank can compare it: JSON-able, free of memory addresses (a tensor is its dtype and shape,
+    an object without a plain repr is its type's name)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype)} {list(value.shape)}"
+    text = repr(value)
+    return type(value).__name__ if " at 0x" in text else text
+
+
+def _digest(fields: Dict[str, Any]) -> List[int]:
+    """Two int64 words naming the fields' values (blake2b of their canonical JSON)."""
+    raw = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16).digest()
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in (0, 8)]
+
+
+def agree(ctx: RankContext, error: Optional[BaseException], what: str = "inputs",
+          fields: Optional[Dict[str, Any]] = None, subject: str = "") -> None:
     """Collective: every rank reports whether its local validation failed; then the failing ranks raise their
     own error and every other rank raises PeerValidationError, so no rank is left waiting in a later
-    collective. All ranks must call it, error or not."""
-    flags = torch.zeros(ctx.world_size, dtype=torch.int32, device=ctx.comm_device)
+    collective. All ranks must call it, error or not.
+
+    fields: what every rank must hold alike (canonical(): JSON-able values), compared in the same collective by a
+    16-byte digest a rank (one all_reduce of [W, 3] int64 whatever the fields are: gloo never sees buffers of
+    different sizes); only when the digests differ are the fields themselves gathered, and every rank raises
+    RankDisagreementError naming the fields, each rank's value and the ranks (subject: what the fields describe)."""
+    check_group(ctx, what)
+    rows = torch.zeros((ctx.world_size, 3), dtype=torch.int64)
     if error is not None:
-        flags[ctx.rank] = 1
+        rows[ctx.rank, 0] = 1
+    elif fields is not None:
+        rows[ctx.rank, 1:] = torch.tensor(_digest(fields), dtype=torch.int64)
+    flags = rows.to(ctx.comm_device)
     try:
         dist.all_reduce(flags, group=ctx.group)
     except RuntimeError as e:
         raise peer_lost(ctx, e, f"the agreement on {what}") from None
-    failing = [r for r, f in enumerate(flags.tolist()) if f]
+    got = flags.tolist()
+    failing = [r for r, row in enumerate(got) if row[0]]
     if not failing:
+        if fields is not None and any(row[1:] != got[0][1:] for row in got):
+            _disagree(ctx, fields, what, subject)
         return
     # Failure path only: learn why the peers failed (one object gather; cheap next to a failed call).
     mine = None if error is None else (type(error).__name__, getattr(error, "argument", None), str(error))
@@ -245,15 +293,63 @@ def agree(ctx: RankContext, error: Optional[BaseException], what: str = "inputs"
                               ranks=failing, reasons=reasons)
 
 
-def run_agreed(ctx: RankContext, fn, what: str = "inputs"):
-    """Run a local check, then agree(); returns fn's result on every rank when all passed."""
-    result, error = None, None
+def _disagree(ctx: RankContext, fields: Dict[str, Any], what: str, subject: str) -> None:
+    """The digests differ: gather every rank's fields (pickled by torch, sizes exchanged first) and raise."""
+    gathered: List[Any] = [None] * ctx.world_size
+    try:
+        dist.all_gather_object(gathered, fields, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, f"the agreement on {what}") from None
+    order = list(fields)
+    names = sorted({k for g in gathered for k in g}, key=lambda k: (order.index(k) if k in order else 1 << 30, k))
+    differ = [k for k in names if len({json.dumps(g.get(k), sort_keys=True) for g in gathered}) > 1]
+    values = {k: {r: g.get(k) for r, g in enumerate(gathered)} for k in differ}
+    # The reference: the largest group of ranks holding the same values (ties: the one with the lowest rank).
+    keys = [json.dumps([g.get(k) for k in differ], sort_keys=True) for g in gathered]
+    counts = {key: keys.count(key) for key in keys}
+    ref = max(keys, key=lambda key: (counts[key], -keys.index(key)))
+    out = [r for r, key in enumerate(keys) if key != ref]
+    ref_rank = keys.index(ref)
+    majority = counts[ref] > ctx.world_size / 2
+    parts = []
+    for k in differ:
+        shown = ", ".join(f"rank {r}{' (this rank)' if r == ctx.rank else ''} {v!r}" for r, v in values[k].items())
+        parts.append(f"{k}: {shown}")
+    who = ", ".join(f"rank {r}" for r in out)
+    if majority:
+        blame = f"Out of agreement: {who} (against the majority, with rank {ref_rank})"
+    else:
+        blame = f"No majority: {who} differ(s) from rank {ref_rank}, and either may be the one built differently"
+    text = (f"the ranks of the group of {ctx.world_size} built {subject or what} differently: " + "; ".join(parts)
+            + f". {blame}. Every rank must build each layer alike and in the same order (the same model, configuration "
+            "and environment); nothing of this layer was built, on any rank.")
+    raise RankDisagreementError(differ[0] if differ else None, text, fields=differ, values=values, ranks=out,
+                                layer=fields.get("name") if isinstance(fields.get("name"), str) else None)
+
+
+def run_agreed(ctx: RankContext, fn, what: str = "inputs", fields: Optional[Callable[[Any], Dict[str, Any]]] = None,
+               subject: str = ""):
+    """Run a local check, then agree(); returns fn's result on every rank when all passed. fields: the result ->
+    what every rank must hold alike (agreed in the same collective; see agree())."""
+    result, error, mine = None, None, None
     try:
         result = fn()
+        mine = fields(result) if fields is not None else None
     except Exception as e:  # noqa: BLE001 - any local failure must still reach the agreement
         error = e
-    agree(ctx, error, what)
+    agree(ctx, error, what, mine, subject)
     return result
+
+
+def all_reduce_max(ctx: RankContext, values: Sequence[int], what: str) -> List[int]:
+    """The largest of every rank's ints, position by position (one all_reduce); a lost peer is PeerLostError."""
+    check_group(ctx, what)
+    t = torch.tensor(list(values), dtype=torch.int64, device=ctx.comm_device)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    except RuntimeError as e:
+        raise peer_lost(ctx, e, what) from None
+    return t.tolist()
 
 
 def _bytes2d(t: torch.Tensor) -> torch.Tensor:
@@ -264,12 +360,16 @@ def _bytes2d(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts: torch.Tensor,
-                    header: Optional[Sequence[int]] = None):
+                    header: Optional[Sequence[int]] = None, check=None):
     """Send row blocks: rows are [N, ...] tensors sorted by destination rank, send_counts [W] how many rows go
     to each rank. Returns (received tensors with the same trailing shapes/dtypes, recv_counts [W] on cpu).
     The tensors are packed into one byte matrix so a single payload collective moves them all.
     header: a few int64 this rank sends every peer with its counts (every rank must pass as many); then returns
-    (tensors, recv_counts, headers: a list with, for each rank r, the list rank r sent)."""
+    (tensors, recv_counts, headers: a list with, for each rank r, the list rank r sent).
+    check: called with the headers after the counts moved and BEFORE the payload does; what it raises is raised
+    there, on every rank alike (each sees every header), so ranks whose payloads would not fit each other never
+    exchange them (gloo aborts the process on buffers of different sizes)."""
+    check_group(ctx, "an all_to_all")
     dev = ctx.comm_device
     counts = send_counts.to(device=dev, dtype=torch.int64)
     if header is not None:  # one wider counts exchange: a few host ops more, no extra collective
@@ -287,6 +387,8 @@ def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts:
         got = recv_counts.tolist()
         recv_list, headers = [g[0] for g in got], [g[1:] for g in got]
         recv_counts = recv_counts.select(1, 0).contiguous()
+        if check is not None:
+            check(headers)
     else:
         send_list = counts.tolist()
         recv_list = recv_counts.tolist()
@@ -318,6 +420,7 @@ def all_to_all_rows(ctx: RankContext, rows: Sequence[torch.Tensor], send_counts:
 
 def all_gather_tensor(ctx: RankContext, t: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's same-shaped tensor along dim 0 (bytes on the wire: any dtype)."""
+    check_group(ctx, "an all_gather")
     src = t.contiguous().to(ctx.comm_device)
     b = src.view(torch.uint8) if src.dim() else src.reshape(1).view(torch.uint8)
     outs = [torch.empty_like(b) for _ in range(ctx.world_size)]
@@ -333,11 +436,26 @@ def all_gather_tensor(ctx: RankContext, t: torch.Tensor) -> torch.Tensor:
 # timeout; those become PeerLostError naming the peers whose watchdog heartbeats stopped.
 _TRANSPORT = ("Connection closed by peer", "Connection reset by peer", "Connection refused", "Broken pipe",
               "Timed out waiting", "gloo/transport", "Socket closed", "Read error", "Write error")
+# Groups that lost a peer, by id(group): the first PeerLostError, raised again at once by every later collective
+# of moe_ep on that group (a dead transport fails each call its own slow way, and c10d logs a C++ stack each time).
+_lost: Dict[int, PeerLostError] = {}
+
+
+def _group_id(ctx: RankContext) -> int:
+    return id(ctx.group if ctx.group is not None else dist.group.WORLD) if ctx.pg_backend != "none" else 0
+
+
+def check_group(ctx: RankContext, what: str) -> None:
+    """Raise the group's PeerLostError again, at once, when it lost a peer earlier."""
+    if _lost:
+        err = _lost.get(_group_id(ctx))
+        if err is not None:
+            raise PeerLostError(err.argument, err.detail, ranks=err.ranks, transport=err.transport)
 
 
 def peer_lost(ctx: RankContext, e: BaseException, what: str) -> BaseException:
     """The error to raise for `e`, raised by a collective of `what`: PeerLostError when the transport lost a peer,
-    `e` itself otherwise."""
+    `e` itself otherwise. The group is remembered as lost: check_group() raises the same error from then on."""
     text = str(e)
     if isinstance(e, MoEError) or not (isinstance(e, getattr(dist, "DistError", ())) or
                                        any(m in text for m in _TRANSPORT)):
@@ -348,9 +466,16 @@ def peer_lost(ctx: RankContext, e: BaseException, what: str) -> BaseException:
     except Exception:  # noqa: BLE001 - a group torch cannot describe: group ranks as they are
         pass
     try:
-        from moe_ep.core.watchdog import store
+        from moe_ep.core.watchdog import monitor, store
 
-        gone, note = store.gone(ranks)
+        m = monitor._M
+        broken = m.store_lost if m is not None else None
+        if broken:  # the heartbeat already lost the store: its host is gone; no store call (c10d logs each failure)
+            gone, note = ([0] if 0 in ranks else []), f"the heartbeat lost the process group's store ({broken})"
+        else:
+            gone, note = store.gone(ranks)
+            if m is not None and 0 in gone:  # the store's host is gone: the heartbeat stops calling it
+                m.store_lost = note or "its host (global rank 0) is gone"
     except Exception as ex:  # noqa: BLE001 - the error must still come
         gone, note = [], f"the heartbeats could not be read ({type(ex).__name__}: {ex})"
     group_gone = [ranks.index(g) for g in gone if g in ranks]
@@ -368,4 +493,6 @@ def peer_lost(ctx: RankContext, e: BaseException, what: str) -> BaseException:
              f"its ranks. The transport said: {first}"
     if note and not group_gone:
         detail += f" ({note})"
-    return PeerLostError(None, detail, ranks=group_gone, transport=first)
+    err = PeerLostError(None, detail, ranks=group_gone, transport=first)
+    _lost[_group_id(ctx)] = err
+    return err

@@ -16,11 +16,12 @@ __all__ = [
     "CalibrationError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
     "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
-    "RankDivergenceError", "PeerLostError",
+    "RankDivergenceError", "PeerLostError", "RankDisagreementError", "UnknownArgumentError",
     "DeviceUnavailableError",
     "CheckConfigError", "IntegrationError",
     "ExpertMapError", "LoadCountsError",
     "CheckpointError", "InexactCheckpointError",
+    "TopologyError",
 ]
 
 
@@ -195,6 +196,29 @@ class PeerLostError(ProcessGroupError):
         super().__init__(argument, message)
 
 
+class RankDisagreementError(ProcessGroupError):
+    """The ranks built one layer differently: a field every rank must agree on (the spec, the format, the backend and
+    its resolved knobs, chunking, the check schedules, the sequence check, the watchdog on or off, the out dtype, the
+    expert map, the calibration, the layer's name or its position among the group's layers) has different values.
+    Raised on every rank by the layer's construction agreement, before anything of the layer was built.
+    ``argument``: the first field that differs; ``fields``: every field that differs; ``values``: field -> {group
+    rank: that rank's value}; ``ranks``: the group ranks outside the majority (with no majority, those that differ
+    from the lowest rank); ``layer``: the layer's name on this rank."""
+
+    def __init__(self, argument: Optional[str], message: str, fields: Sequence[str] = (), values=None,
+                 ranks: Sequence[int] = (), layer: Optional[str] = None):
+        self.fields = tuple(fields)
+        self.values = dict(values or {})
+        self.ranks = tuple(ranks)
+        self.layer = layer
+        super().__init__(argument, message)
+
+
+class UnknownArgumentError(MoEError, TypeError):
+    """A keyword argument nothing takes: not MoELayer's own and not one of the chosen backend's options
+    (``argument`` names it; the message lists what is taken)."""
+
+
 class CheckConfigError(MoEError, ValueError):
     """MoELayer(check_values=..., collective_checks=...) or $MOE_EP_CHECKS is not a schedule the layer knows;
     ``argument`` names the argument or the variable."""
@@ -234,3 +258,13 @@ class InexactCheckpointError(CheckpointError):
     def __init__(self, tensor: Optional[str], message: str, file: Optional[str] = None, report=None):
         self.report = report
         super().__init__(tensor, message, file)
+
+
+class TopologyError(ProcessGroupError):
+    """The group's ranks cannot all reach each other the way the chosen backend needs (a fused kernel reaches its
+    peers by NVLink P2P: one NVLink domain), or the domain map given in $MOE_EP_DOMAINS does not describe the
+    group. ``ranks``: the group ranks on the far side of the gap (or the ones the map gets wrong)."""
+
+    def __init__(self, argument: Optional[str], message: str, ranks: Sequence[int] = ()):
+        self.ranks = tuple(ranks)
+        super().__init__(argument, message)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from moe_ep.core import op, registry, watchdog
 from moe_ep.core.device import require_arch
-from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import CapacityError, DTypeError, FormatError, LayerClosedError, SpecError, WatchdogConfigError
+from moe_ep.core.dist import RankContext, all_reduce_max, canonical, run_agreed
+from moe_ep.core.errors import (CapacityError, CheckConfigError, DeviceUnavailableError, DTypeError, FormatError,
+                                LayerClosedError, ProcessGroupError, SpecError, UnknownArgumentError,
+                                WatchdogConfigError)
+from moe_ep.core.watchdog import sequence
 from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.core.validate import (check_expert_ids, check_schedule, checks_mode, validate_forward,
                                   validate_spec_for_backend, validate_weights)
@@ -19,6 +23,7 @@ from moe_ep.eplb import ExpertMap, SlotRouter
 from moe_ep.eplb import placement as eplb_placement
 from moe_ep.eplb import swap as eplb_swap
 from moe_ep.formats import QuantizedWeights, check_format
+from moe_ep.split import hooks as split_paths
 
 __all__ = ["MoELayer", "AGREED_CALLS", "CHUNKING"]
 
@@ -47,10 +52,72 @@ def _chunking_option(chunking):
     return chunking
 
 
+def _sequence_option(on) -> bool:
+    if on is not None and not isinstance(on, bool):
+        raise CheckConfigError("sequence_check", f"expected None (${sequence.SEQUENCE_ENV}, on by default), True or "
+                                                 f"False, got {on!r}")
+    return sequence.enabled() if on is None else on
+
+
+def _context(group, device):
+    """(the rank context, the device's error or None). A device this rank cannot use is an error of the agreement
+    (raised on every rank), not a local one its peers would wait for: the context then takes the group's default
+    device to agree on."""
+    try:
+        return RankContext.from_group(group, device), None
+    except (DeviceUnavailableError, ProcessGroupError) as e:
+        if e.argument != "device" or device is None:
+            raise
+        return RankContext.from_group(group, None), e
+
+
+# MoELayer's own keywords: anything else goes to the backend, which must take it.
+_LAYER_KEYWORDS = ("backend", "group", "device", "fmt", "check_values", "collective_checks", "chunking", "out_dtype",
+                   "name", "timeout_s", "expert_map", "id_space", "count_load", "sequence_check")
+
+
+def _backend_keywords(cls):
+    """The keywords the backend class's constructor takes (None: any), following **options up its bases."""
+    names = []
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())[1:]
+        names += [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return [n for n in dict.fromkeys(names) if n not in ("spec", "ctx", "fmt")]
+    return None
+
+
+def _check_options(cls, backend: str, options: dict) -> None:
+    known = _backend_keywords(cls)
+    if known is None:
+        return
+    for key in options:
+        if key not in known:
+            raise UnknownArgumentError(key, f"MoELayer takes no keyword {key!r}, and backend {backend!r} has no such "
+                                            f"option: the layer's keywords are {list(_LAYER_KEYWORDS)}, the backend's "
+                                            f"options {known}")
+
+
+def _calibration(weights):
+    return {k: getattr(weights, k, None) for k in ("act_amax", "fc2_act_amax")}
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - tearing down a refused layer must not hide why it was refused
+        pass
+
+
 class MoELayer(LayerGeometry):
     """An expert-parallel MoE layer over a process group.
 
-    backend: None / "auto" picks by the device's arch (and fmt, if given); or a registered name.
+    backend: None picks by the device's arch (and fmt, if given); "auto" measures the paths the group can run (the
+      fused kernel, "split", "two_level" across NVLink domains) and keeps the fastest (docs/scale-out.md); or a
+      registered name. `plan` reports what runs.
     fmt: the quantization format (see moe_ep.FORMATS); None takes the backend's default.
     Every call checks types, shapes, dtypes, devices and contiguity (one host expression, ~1 us). The costly checks
     follow a schedule (docs/api.md, "Checks"; $MOE_EP_CHECKS=all turns both on for every call, =off turns the
@@ -65,7 +132,12 @@ class MoELayer(LayerGeometry):
       all_reduce and a host sync per call) and runs ceil(T_max / capacity) capacity-sized launches.
     out_dtype: the dtype a call without `out` returns: None (bf16, the kernels' own output), "hidden" (the call's
       hidden dtype) or torch.bfloat16 / float16 / float32.
-    name: what the forward watchdog calls this layer (default "moe_ep layer #<k>", k in creation order).
+    name: what the forward watchdog and the errors call this layer (default "moe_ep layer #<k>", k in creation
+      order); an integration passes the module path. Every rank must give the same name.
+    sequence_check: log every call in the group's sequence, so ranks out of step (a skipped, extra or wrong-layer
+      call) are refused before any wrong output: in the torch reference's exchange, before the kernels' exchange
+      (the call guard), and through the heartbeats. None: $MOE_EP_SEQUENCE_CHECK (on unless "0"). Independent of
+      the watchdog's timer (timeout_s=0 keeps it). docs/watchdog.md says what turning it off costs and risks.
     timeout_s: the watchdog's bound on one forward (seconds; 0 turns it off; default $MOE_EP_TIMEOUT_S, else
       10 s + 2 x the slowest call so far): a call that does not finish in time ends the process with one message
       naming the layer, the call and the peers that stopped (exit code moe_ep.WATCHDOG_EXIT_CODE; docs/watchdog.md).
@@ -76,9 +148,14 @@ class MoELayer(LayerGeometry):
       by the replica rule in moe_ep/eplb/router.py) or "physical" (slot ids, mapped by the caller).
     count_load: count the (token, expert) pairs this rank routes to each slot, on the device (load_counts()); default
       True with an expert_map, else False.
-    backend_options: passed to the backend's constructor.
+    backend_options: passed to the backend's constructor; a keyword neither the layer nor the backend takes is an
+      UnknownArgumentError.
 
-    Construction and every call are collective: all ranks of the group must take part.
+    Construction and every call are collective: all ranks of the group must take part. Construction agrees, in one
+    small collective, on everything that must be equal on every rank (the spec, format, backend and its resolved
+    knobs, the options above, the expert map, the calibration, the name and the layer's position among the group's
+    layers): a difference is a RankDisagreementError on every rank, naming the field, each rank's value and the
+    ranks, with nothing of the layer built (docs/api.md, "Every rank agrees").
     """
 
     def __init__(self, spec: MoESpec, weights: ExpertWeights, backend: Optional[str] = None, *, group=None,
@@ -86,68 +163,113 @@ class MoELayer(LayerGeometry):
                  collective_checks: Optional[bool] = None, chunking: str = "strict", out_dtype=None,
                  name: Optional[str] = None, timeout_s: Optional[float] = None,
                  expert_map: Optional[ExpertMap] = None, id_space: str = "logical", count_load: Optional[bool] = None,
-                 **backend_options):
-        if not isinstance(spec, MoESpec):
-            raise DTypeError("spec", f"expected moe_ep.MoESpec, got {type(spec).__name__}")
-        ctx = RankContext.from_group(group, device)
-        self.spec = spec
-        self.ctx = ctx
+                 sequence_check: Optional[bool] = None, **backend_options):
         self._backend = None
         self._eplb: Optional[SlotRouter] = None
         self._swap_template = None
         self._watch = None
         self._watch_paused = False
-        self.handle = op.register_layer(self)
-
-        if fmt is None and isinstance(weights, QuantizedExpertWeights):
-            fmt = weights.fmt  # already quantized: the layer runs in the pack's format
+        self._seq = None
+        self.handle = None
+        ctx, device_error = _context(group, device)
+        self.spec = spec
+        self.ctx = ctx
+        # Taken on every rank before anything can fail, so names and positions stay aligned across ranks.
+        self.name, position, log = watchdog.layer_identity(name, ctx.group)
+        domains = split_paths.domain_map(ctx)  # collective (once per group): before anything can fail locally
+        built = {}
 
         def resolve():
-            if backend is None or backend == "auto":
-                entry = registry.select_backend(registry.detect_arch(ctx.device), fmt)
+            if device_error is not None:
+                raise device_error
+            if not isinstance(spec, MoESpec):
+                raise DTypeError("spec", f"expected moe_ep.MoESpec, got {type(spec).__name__}")
+            if name is not None and (not isinstance(name, str) or not name):
+                raise SpecError("name", f"expected None or a non-empty string, got {name!r}")
+            f_in = weights.fmt if fmt is None and isinstance(weights, QuantizedExpertWeights) else fmt
+            if backend is None:
+                entry = registry.select_backend(registry.detect_arch(ctx.device), f_in)
             else:
                 entry = registry.get_entry(backend)
                 if entry.arch != "cpu":  # a kernel backend named on a device of another arch (or the CPU)
                     require_arch(ctx.device, entry.arch, entry.name)
-            f = entry.default_format if fmt is None else check_format(fmt)
+            f = split_paths.default_format(entry, ctx.device) if f_in is None else check_format(f_in)
             if f not in entry.formats:
                 raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {f!r}")
             cls = registry.resolve_backend(entry.name)
+            split_paths.check_topology(cls, entry.name, domains)
             served = getattr(cls, "weight_formats", entry.formats)
             if f not in served:
                 raise FormatError("fmt", f"backend {entry.name!r} ({cls.__name__}) serves {list(served)}, not {f!r}")
+            _check_options(cls, entry.name, backend_options)
             slot_spec = eplb_placement.slot_spec(spec, ctx, expert_map, id_space, count_load)
             validate_weights(slot_spec, weights, ctx, f)
             validate_spec_for_backend(slot_spec, cls, f, ctx.world_size)
             return entry, cls, f, slot_spec
 
-        def forward_options():
+        def local():
+            entry, cls, f, slot_spec = resolve()
             mode = checks_mode()
-            return (check_schedule(check_values, "check_values", mode),
-                    check_schedule(collective_checks, "collective_checks", mode),
-                    _chunking_option(chunking), _out_dtype_option(out_dtype))
+            options = (check_schedule(check_values, "check_values", mode),
+                       check_schedule(collective_checks, "collective_checks", mode),
+                       _chunking_option(chunking), _out_dtype_option(out_dtype))
+            bound = watchdog.parse_timeout(timeout_s)
+            seq_on = _sequence_option(sequence_check)
+            # The backend object (kernel backends resolve their knob set here, before any workspace exists).
+            be = built["backend"] = cls(slot_spec, ctx, fmt=f, **backend_options)
+            be.layer_name = self.name
+            fields = dict(
+                # The name as given (an integration's module path): a default name counts layers process-wide,
+                # and a process in several groups may count differently from its peers in this one (the position
+                # below is this group's own count).
+                name=name, position=position // 2, backend=entry.name, fmt=f,
+                **canonical(dataclasses.asdict(spec)),
+                slots=None if expert_map is None else [expert_map.num_slots, expert_map.digest()],
+                id_space=id_space if expert_map is not None else None,
+                count_load=expert_map is not None if count_load is None else count_load,
+                check_values=options[0], collective_checks=options[1], chunking=options[2],
+                out_dtype=canonical(options[3]), sequence_check=seq_on, watchdog="off" if bound is None else "on",
+                calibration=canonical(_calibration(weights)), weights=type(weights).__name__,
+                device=ctx.device.type, backend_options=canonical(backend_options))
+            fields.update({f"backend.{k}": canonical(v) for k, v in (be.agreement() or {}).items()})
+            return (entry, cls, f, slot_spec), bound, options, seq_on, fields
 
-        (entry, cls, f, slot_spec), bound, options = run_agreed(
-            ctx, lambda: (resolve(), watchdog.parse_timeout(timeout_s), forward_options()), "layer arguments")
-        self._values_sched, self._agree_sched, self.chunking, self._out_dtype = options
-        self._calls = 0
-        self._values_seen = set()
-        self._empty = None
-        self._on_cuda = ctx.device.type == "cuda"
-        # What the backend's forward stages itself (converting once, where it copies anyway); the rest is
-        # converted here (moe_ep.core.backend.Backend.input_dtypes / routing_weight_dtypes).
-        self._hidden_dtypes = getattr(cls, "input_dtypes", (torch.bfloat16,))
-        self._weight_dtypes = getattr(cls, "routing_weight_dtypes", (torch.float32,))
-        self._backend_allocates = bool(getattr(cls, "allocates_output", False))
-        self.backend_name = entry.name
-        self.fmt = f
-        self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
-        # What a bf16 swap quantizes with (statically scaled formats; None when the layer was given quantized bytes).
-        self._calibration = {k: getattr(weights, k, None) for k in ("act_amax", "fc2_act_amax")}
-        self._eplb = eplb_placement.router(spec, slot_spec, ctx, expert_map, id_space, count_load)
-        self._backend = cls(slot_spec, ctx, fmt=f, **backend_options)
-        self._backend.prepare_weights(weights)
-        self.name, self._watch = watchdog.watch_layer(name, bound, ctx.group, ctx.device)
+        try:
+            # One collective: every rank's local checks and the digest of what it built (dist.agree).
+            (entry, cls, f, slot_spec), bound, options, seq_on, _ = run_agreed(
+                ctx, local, "layer arguments", fields=lambda r: r[-1], subject=f"the layer {self.name!r}")
+            self._values_sched, self._agree_sched, self.chunking, self._out_dtype = options
+            self._calls = 0
+            self._values_seen = set()
+            self._empty = None
+            self._on_cuda = ctx.device.type == "cuda"
+            # What the backend's forward stages itself (converting once, where it copies anyway); the rest is
+            # converted here (moe_ep.core.backend.Backend.input_dtypes / routing_weight_dtypes).
+            self._hidden_dtypes = getattr(cls, "input_dtypes", (torch.bfloat16,))
+            self._weight_dtypes = getattr(cls, "routing_weight_dtypes", (torch.float32,))
+            self._backend_allocates = bool(getattr(cls, "allocates_output", False))
+            self.backend_name = entry.name
+            self.fmt = f
+            self.sequence_check = seq_on and log is not None
+            self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
+            # What a bf16 swap quantizes with (statically scaled formats; None when the layer was given quantized
+            # bytes).
+            self._calibration = {k: getattr(weights, k, None) for k in ("act_amax", "fc2_act_amax")}
+            self._eplb = eplb_placement.router(spec, slot_spec, ctx, expert_map, id_space, count_load)
+            self._backend = built.pop("backend")
+            self._backend.prepare_weights(weights)
+            if self.sequence_check:
+                self._seq = sequence.Caller(log, position)
+                watchdog.keep_sequences()
+            self._watch = watchdog.layer_watch(self.name, bound, ctx.group, ctx.device)
+            self.handle = op.register_layer(self)
+        except BaseException:
+            # Nothing of a layer that was refused stays behind: no op handle, no watch, no backend, no workspace.
+            be = built.pop("backend", None)
+            if be is not None:
+                _quietly(be.close)
+            self.close()
+            raise
 
     # -- properties ----------------------------------------------------------------------------------------
     @property
@@ -178,6 +300,13 @@ class MoELayer(LayerGeometry):
     def id_space(self) -> str:
         """What topk_idx holds: "logical" (mapped by the layer, or no map at all) or "physical" (slot ids)."""
         return "logical" if self._eplb is None or self._eplb.expert_map is None else self._eplb.id_space
+
+    @property
+    def plan(self):
+        """What this layer runs (moe_ep.split.plan.Plan): the path, the backend, the engine and transport of a split
+        path, the group's NVLink domains, and whether auto measured it, read it from the plan table, or the layer
+        was built with it by name."""
+        return split_paths.plan_of(self)
 
     @property
     def watch(self):
@@ -227,17 +356,26 @@ class MoELayer(LayerGeometry):
                       out: Optional[torch.Tensor] = None, max_tokens_across_ranks: Optional[int] = None) -> torch.Tensor:
         """The forward itself (validation, then the backend); what the custom op runs. Watched: a call that does
         not finish within the layer's bound ends the process (moe_ep.core.watchdog)."""
-        w = self._watch
-        if w is None or self._watch_paused:
-            return self._forward_unwatched(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks)
-        slot = w.begin()
+        sq = self._seq
+        if sq is not None:
+            # The group's sequence of calls (the exchange's fingerprint, the heartbeat's digests, the kernels' call
+            # guard): logged whether or not the timer watches this call, so an unwatched call is no divergence.
+            sq.enter()
         try:
-            out = self._forward_unwatched(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks)
-        except BaseException:
-            w.abandon(slot)
-            raise
-        w.end(slot)
-        return out
+            w = self._watch
+            if w is None or self._watch_paused:
+                return self._forward_unwatched(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks)
+            slot = w.begin()
+            try:
+                out = self._forward_unwatched(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks)
+            except BaseException:
+                w.abandon(slot)
+                raise
+            w.end(slot)
+            return out
+        finally:
+            if sq is not None:
+                sq.leave()
 
     def output_dtype(self, hidden_dtype: torch.dtype) -> torch.dtype:
         """The dtype a call with hidden of `hidden_dtype` and no `out` returns."""
@@ -314,9 +452,7 @@ class MoELayer(LayerGeometry):
                 return 1  # this rank's own max_tokens_across_ranks is the error: the peers' count is unknowable
             if agree:
                 # The one cheap place to catch ranks that disagree on the bound (their chunk counts would differ).
-                both = torch.tensor([m, -m], dtype=torch.int64, device=ctx.comm_device)
-                dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ctx.group)
-                hi, lo = both.tolist()
+                hi, lo = all_reduce_max(ctx, [m, -m], "the agreement on max_tokens_across_ranks")
                 if hi != -lo:
                     raise CapacityError("max_tokens_across_ranks", f"the ranks passed different values (from {-lo} "
                                                                    f"to {hi}); every rank must pass the same bound")
@@ -329,9 +465,8 @@ class MoELayer(LayerGeometry):
             raise CapacityError("max_tokens_across_ranks", "chunking='agree' agrees on the call's largest T on the "
                                                            "host, which a CUDA graph capture cannot hold; pass "
                                                            "forward(..., max_tokens_across_ranks=N) when capturing")
-        most = torch.tensor([t], dtype=torch.int64, device=ctx.comm_device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ctx.group)
-        return max(1, -(-int(most.item()) // c))
+        (most,) = all_reduce_max(ctx, [t], "the agreement on the call's largest T (chunking='agree')")
+        return max(1, -(-most // c))
 
     def _empty_call(self):
         e = self._empty
@@ -404,6 +539,9 @@ class MoELayer(LayerGeometry):
 
     def close(self) -> None:
         op.unregister_layer(self.handle)
+        if self._seq is not None:
+            self._seq.close()
+            self._seq = None
         if self._watch is not None:
             self._watch.close()
             self._watch = None

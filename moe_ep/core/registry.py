@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, FormatError, MoEError,
                                 RegistrationError)
-from moe_ep.formats import check_format
+from moe_ep.formats import FORMATS, check_format
 
 __all__ = ["BackendEntry", "BackendInfo", "register_backend", "unregister_backend", "get_entry", "resolve_backend",
            "list_backends", "select_backend", "detect_arch", "KERNEL_TABLES"]
@@ -251,3 +251,12 @@ def select_backend(arch: str, fmt: Optional[str] = None, *, fallback: str = "tor
 _add("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
      formats=("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4", "w4a8_mxfp4", "w4a8_nvfp4"),
      description="exact EP semantics in torch over torch.distributed; the oracle")
+
+# The split paths (moe_ep/split, docs/scale-out.md): torch over the group's transport on any device ("cpu" here, as
+# for the reference, means no arch is required); "auto" measures the paths the group can run and keeps the fastest.
+_add("split", "moe_ep.split.backend:SplitBackend", arch="cpu", formats=FORMATS,
+     description="dispatch over the transport, the rank's experts on a local engine, combine back")
+_add("two_level", "moe_ep.split.two_level:TwoLevelBackend", arch="cpu", formats=FORMATS,
+     description="a fused backend inside each NVLink domain, the transport between domains")
+_add("auto", "moe_ep.split.auto:AutoBackend", arch="cpu", formats=FORMATS,
+     description="measures the whole-group, split and two-level paths at construction and keeps the fastest")

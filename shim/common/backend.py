@@ -36,6 +36,10 @@ from shim.common.phases import Composed, final
 __all__ = ["KernelBackend", "check_compile_target", "compile_only_frontend"]
 
 
+class _TuneLater(Exception):
+    """agreement(): knobs="auto" needs the collective tune, which runs with the weights."""
+
+
 def check_compile_target(table: FormatTable) -> None:
     """A compile without a GPU of the table's arch needs CUTE_DSL_ARCH naming that arch (or such a GPU on this
     host); BackendUnavailableError naming the variable otherwise. A layer's device is checked before the backend is
@@ -63,6 +67,9 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     input_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     routing_weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     allocates_output = True  # out=None: the frontend's graph writes its workspace, the call returns a fresh copy
+    # The kernels reach peers by NVLink P2P: a layer over several NVLink domains is refused at construction
+    # (moe_ep/split/topology.py); backend="auto" plans two_level or split there.
+    needs_p2p = True
 
     @classmethod
     def row_classes(cls) -> Dict[str, type]:
@@ -93,6 +100,7 @@ class KernelBackend(Composed, LayerGeometry, Backend):
             experts_per_rank=self.experts_per_rank, top_k=spec.top_k, world_size=ctx.world_size,
             max_tokens_per_rank=spec.max_tokens_per_rank)
         self.frontend = None
+        self._resolved = None  # (knobs, source), from agreement(): the layer's ranks compare it before any workspace
         self.knob_source: Optional[str] = None
         self.autotune_result = None
         self._last_t = 0
@@ -116,14 +124,15 @@ class KernelBackend(Composed, LayerGeometry, Backend):
         return cls.format.frontend_class()
 
     @final
-    def resolve_knobs(self, weights: ExpertWeights):
+    def resolve_knobs(self, weights: ExpertWeights, tune=None):
         """(knob set, where it came from), in one pass: explicit > knob cache > shipped table > knob model >
         heuristic; "auto" tunes on a miss of cache and table (a shipped entry counts as tuned: "auto" takes it rather
         than tune again), in the model's and the heuristic's place."""
         return self.knobs_module.resolve_knobs(self.requested_knobs, fmt=self.fmt,
                                                max_tokens_per_rank=self.spec.max_tokens_per_rank,
                                                cache_key=self.knob_cache_key, shipped=self.shipped_knobs,
-                                               model=self.model_knobs, tune=lambda: self.autotune(weights),
+                                               model=self.model_knobs,
+                                               tune=tune or (lambda: self.autotune(weights)),
                                                hidden=self.spec.hidden_size,
                                                intermediate=self.spec.intermediate_size)
 
@@ -145,6 +154,23 @@ class KernelBackend(Composed, LayerGeometry, Backend):
         return None
 
     @final
+    def agreement(self):
+        """The knob set, resolved before any workspace (the layer's construction agreement compares it across ranks:
+        a knob cache or shipped table one host has and another lacks would build different kernels). knobs="auto"
+        missing cache and table is tuned later, collectively: one winner on every rank."""
+        def tune():
+            raise _TuneLater
+
+        from shim.common import call_guard
+
+        guard = call_guard.enabled()  # on one rank only, it would wait for its peers' words forever
+        try:
+            self._resolved = self.resolve_knobs(None, tune)
+        except _TuneLater:
+            return {"knobs": "auto: a collective tune", "call_guard": guard}
+        return {"knobs": self._resolved[0].to_json(), "call_guard": guard}
+
+    @final
     def make_frontend(self, knobs):
         """A frontend (one workspace) for this layer with the given knob set."""
         return self.frontend_class()(self.spec, self.ctx, knobs, kernel_format=self.format,
@@ -152,7 +178,7 @@ class KernelBackend(Composed, LayerGeometry, Backend):
 
     @final
     def prepare_weights(self, weights: ExpertWeights) -> None:
-        knobs, self.knob_source = self.resolve_knobs(weights)
+        knobs, self.knob_source = self._resolved or self.resolve_knobs(weights)
         self.frontend = self.make_frontend(knobs)
         self.frontend.use_graphs = self._internal_graphs
         laid_out = getattr(self.autotune_result, "kernel_weights", None)
@@ -162,6 +188,8 @@ class KernelBackend(Composed, LayerGeometry, Backend):
         else:
             self.frontend.load_weights(weights)
         self.frontend.compile()
+        if self.frontend.guard is not None:
+            self.frontend.guard.name(self.layer_name)
 
     @property
     def knobs(self):

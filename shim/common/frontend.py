@@ -32,7 +32,7 @@ import torch
 from moe_ep.core.dist import RankContext
 from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.formats import QuantizedActivation
-from shim.common import compile_cache
+from shim.common import call_guard, compile_cache
 from shim.common.cute_args import ArgBuilder
 from shim.common.formats import FormatTable, KernelFormat
 from shim.common.graph_cache import GraphCache, buffers_key
@@ -302,6 +302,8 @@ class MegaMoEFrontend(Composed, LayerGeometry):
     @final
     def compile(self):
         self.build_compiled()
+        if self.guard is None:  # collective, as compile is: the pool's first guard allocates its word table
+            self.guard = call_guard.attach(self)
         if not self.compile_only and self._weights is not None:
             # One launch with every row masked (all ranks build their layers together, so it is collective):
             # loads the module and settles lazy initialisation before any graph capture needs it.
@@ -313,6 +315,7 @@ class MegaMoEFrontend(Composed, LayerGeometry):
 
     # -- run -----------------------------------------------------------------------------------------------
     use_graphs = True
+    guard = None  # the call guard (shim/common/call_guard.py): ranks out of step refused before the exchange
 
     @final
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -327,6 +330,8 @@ class MegaMoEFrontend(Composed, LayerGeometry):
         graph every other call on the H200). Inside a caller's capture (the caller graphs the whole model) the
         launch is eager.
         """
+        if self.guard is not None and self.guard.tripped:
+            self.guard.raise_error()
         t = x.shape[0]
         graphing = self.use_graphs and not self.compile_only and not _capturing()
         if graphing:
@@ -399,7 +404,11 @@ class MegaMoEFrontend(Composed, LayerGeometry):
             args["stream"] = ArgBuilder(real=True).stream()
         if direct:
             args = dict(args, **self.output_args(ArgBuilder(real=True), target))
+        if self.guard is not None:
+            self.guard.before(self.topk_idx, rows * self.top_k)
         self.compiled(**args)
+        if self.guard is not None:
+            self.guard.after(target)
         if out is not None and not direct and t > 0:
             out.copy_(self.out_buf[:t])
 
@@ -424,6 +433,7 @@ class MegaMoEFrontend(Composed, LayerGeometry):
         self.graphs.clear()
         self._args_cache.clear()
         self.compiled = None
+        self.guard = None
         if self._lease is not None:
             self._lease.release()
             self._lease = None

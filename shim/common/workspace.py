@@ -126,6 +126,14 @@ class WorkspacePool:
     def _heap_alloc(self, nbytes: int) -> torch.Tensor:
         if self.compile_only:
             return torch.zeros((nbytes,), dtype=torch.uint8)
+        if self.ctx.pg_backend == "none":
+            # A rank's own kernel at world size 1 (the split path's local engine, moe_ep/split/engine.py): no peer
+            # maps this memory, so plain device memory serves, outside the NVSHMEM job the process's group joined.
+            t = self._local_alloc(nbytes)
+            if not self._offsets_measured:
+                self.peer_base, self.peer_offsets = int(t.data_ptr()), (0,)
+                self._offsets_measured = True
+            return t
         if self._heap is None:
             from shim.common.symmetric import SymmetricHeap
 

@@ -41,7 +41,7 @@ class Sm90Frontend(MegaMoEFrontend):
             fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce, apply_topk_in_fc1=True,
             token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch,
             flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp,
-            tail_split_pairs=knobs.tail_split_pairs,
+            tail_split_pairs=knobs.tail_split_pairs, **knobs.exchange_kwargs(),
         )
 
     def prepare_weights(self, weights):

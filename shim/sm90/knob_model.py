@@ -121,7 +121,8 @@ def misfit(knobs: Mapping[str, Any], g: Geometry) -> float:
 
 
 def _frozen(knobs: Mapping[str, Any]) -> Tuple:
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in knobs.items()))
+    # None and absent are one value: a knob's default (entries written before a knob existed do not name it).
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in knobs.items() if v is not None))
 
 
 def ranked(g: Geometry, measured: Iterable[Measured]) -> List[Tuple[float, Dict[str, Any], Measured]]:

@@ -1,21 +1,24 @@
-"""Knobs of the Hopper MegaMoE kernels (FP8, BF16): what may be tuned, what changes results, and how a set is chosen.
+"""Knobs of the Hopper MegaMoE kernels (FP8, BF16, W4A8): what may be tuned, what changes results, and how a set is
+chosen.
 
-Correctness knobs change the generated program or its summation order (tile and
-cluster shape, operand swap, ping-pong, accumulation mode, token-back mode,
-in-kernel fc2 reduce, load-balance mode, tail-split pair tasks); perf knobs
-change only scheduling (group_hint, flag_batch, epi_flag_batch). All are
-compile-time parameters: one set per workspace.
+Correctness knobs change the generated program's arithmetic or its summation order (tile and cluster shape, operand
+swap, ping-pong, accumulation mode, token-back mode, in-kernel fc2 reduce, load-balance mode, tail-split pair tasks:
+the tuner oracle-checks a winner that changes any of them); perf knobs change only who moves which bytes when
+(group_hint, flag batching, the dispatch warps, the producer-warp layout, the FC1 store path, scheduler stages,
+dispatch dedup, the pull buffer's layout, W4A8's narrow FC2 tail). docs/tuning.md lists every constructor argument
+of the kernels with the line that decides its class. All are compile-time parameters: one set per workspace.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from shim.common.knobs import InvalidKnobsError, KnobSet, resolve_knob_set
 from shim.sm90.formats import BACKENDS
 
-__all__ = ["KNOB_SPACE", "KERNEL_CLASS", "CORRECTNESS_KNOBS", "PERF_KNOBS", "Sm90Knobs", "InvalidKnobsError",
+__all__ = ["KNOB_SPACE", "KERNEL_CLASS", "CORRECTNESS_KNOBS", "PERF_KNOBS", "EXCHANGE_KNOBS", "Sm90Knobs",
+           "InvalidKnobsError",
            "heuristic_knobs", "resolve_knobs"]
 
 # moe_ep format -> the KNOB_SPACE entry its knob sets draw from (the row's plain kernel class; the swap-AB one is
@@ -34,11 +37,19 @@ KNOB_SPACE = {
         "fp8_accum_mode": ["1xacc", "2xacc"],
         "token_back_mode": ["epi_warps", "standalone_warps", "reuse_dispatch_warps"],
         "fc2_in_kernel_topk_reduce": [False, True],
-        "load_balance_mode": ["static"],
+        "load_balance_mode": ["static", "atomic_counter"],
         "tail_split_pairs": [False, True],
         "group_hint": [None, 66, 132, 264, 1048576],
         "flag_batch": [1, 2, 4],
         "epi_flag_batch": [1, 2, 4],
+        # Perf knobs of the fused exchange and the producer warps (docs/tuning.md says where each is decided).
+        "active_dispatch_warps": [1, 2, 4],
+        "fold_producer_warps": [True, False],
+        "fc1_store_offload": [True, False],
+        "fc1_early_done_publish": [False, True],
+        "num_sched_stages": [2, 1, 3, 4],
+        "dedup_dispatch": [False, True],
+        "compact_pull_buffer": [True, False],
     },
     # W4A8 MXFP4: swap-AB only, tile M 128/256 (the swap-AB epilogue), K 128 or 256 (the kernel refuses others;
     # K 256 needs H and I multiples of 256), 1xacc only, no in-kernel top-k reduce (FlashInfer's adapter fixes it
@@ -58,6 +69,15 @@ KNOB_SPACE = {
         "group_hint": [None, 66, 78, 132, 264, 330, 396, 512, 528, 1048576],
         "flag_batch": [1, 2, 4],
         "epi_flag_batch": [1, 2, 4],
+        "active_dispatch_warps": [1, 2, 4],
+        "fold_producer_warps": [True, False],
+        "fc1_store_offload": [True, False],
+        "fc1_early_done_publish": [False, True],
+        "num_sched_stages": [2, 1, 3, 4],
+        "dedup_dispatch": [False, True],
+        "compact_pull_buffer": [False, True],
+        # The narrow N=8 FC2 MMA for token tails of <= 8 rows (mxfp4_policy.py: tile (256, 64, 256), H 7168 only).
+        "mxfp4_fc2_tail_n8": [False, True],
     },
     "Sm90MegaMoEBf16Kernel": {
         "mma_tiler_mnk": [(64, 128, 64), (64, 256, 64), (128, 128, 64), (128, 8, 64), (128, 16, 64),
@@ -76,7 +96,11 @@ KNOB_SPACE = {
 
 CORRECTNESS_KNOBS = ("kernel", "swap_ab", "mma_tiler_mnk", "cluster_shape_mnk", "pingpong", "accum_mode",
                      "token_back_mode", "fc2_in_kernel_topk_reduce", "load_balance_mode", "tail_split_pairs")
-PERF_KNOBS = ("group_hint", "flag_batch", "epi_flag_batch")
+# Perf knobs: the first three always passed; the rest (EXCHANGE_KNOBS) passed only when set, None meaning the kernel's
+# own default, so a knob set written before they existed builds the same program.
+EXCHANGE_KNOBS = ("active_dispatch_warps", "fold_producer_warps", "fc1_store_offload", "fc1_early_done_publish",
+                  "num_sched_stages", "dedup_dispatch", "compact_pull_buffer", "mxfp4_fc2_tail_n8")
+PERF_KNOBS = ("group_hint", "flag_batch", "epi_flag_batch") + EXCHANGE_KNOBS
 
 
 @dataclass(frozen=True)
@@ -97,6 +121,14 @@ class Sm90Knobs(KnobSet):
     flag_batch: int = 1
     epi_flag_batch: int = 1
     kernel: str = "Sm90MegaMoEFp8Kernel"
+    active_dispatch_warps: Optional[int] = None
+    fold_producer_warps: Optional[bool] = None
+    fc1_store_offload: Optional[bool] = None
+    fc1_early_done_publish: Optional[bool] = None
+    num_sched_stages: Optional[int] = None
+    dedup_dispatch: Optional[bool] = None
+    compact_pull_buffer: Optional[bool] = None
+    mxfp4_fc2_tail_n8: Optional[bool] = None
 
     @property
     def token_tile(self) -> int:
@@ -112,6 +144,11 @@ class Sm90Knobs(KnobSet):
 
     def correctness_part(self) -> Tuple:
         return tuple(getattr(self, k) for k in CORRECTNESS_KNOBS)
+
+    def exchange_kwargs(self) -> Dict[str, Any]:
+        """The constructor arguments of the EXCHANGE_KNOBS this set fixes (those left None keep the kernel's
+        default)."""
+        return {k: getattr(self, k) for k in EXCHANGE_KNOBS if getattr(self, k) is not None}
 
     def validate(self, fmt: Optional[str] = None) -> "Sm90Knobs":
         """self, if every knob is in its kernel's KNOB_SPACE and the combination is one the kernels take; with
@@ -133,6 +170,13 @@ class Sm90Knobs(KnobSet):
             checks["fp8_accum_mode"] = self.accum_mode
         if "swap_ab" in space:
             checks["swap_ab"] = self.swap_ab
+        for name, value in self.exchange_kwargs().items():
+            if name not in space:
+                raise InvalidKnobsError(name, f"the {self.kernel} kernel has no {name} knob (set it to None)")
+            want = int if name in ("active_dispatch_warps", "num_sched_stages") else bool
+            if type(value) is not want:
+                raise InvalidKnobsError(name, f"expected None or a {want.__name__}, got {value!r}")
+            checks[name] = value
         for name, value in checks.items():
             if value not in space[name]:
                 raise InvalidKnobsError(name, f"{value!r} is not one of {space[name]}")
@@ -154,8 +198,8 @@ class Sm90Knobs(KnobSet):
 # W4A8 MXFP4 defaults by capacity bucket (the drop ships no table for this kernel). Facts from FlashInfer 0.7.4's
 # Hopper MXFP4 default tactics (its block-permutation routing profile, H200/H100-measured): tile, cluster and
 # group_hint per bucket; capacities above 2048 take the 2048 row. Its load-balance, dispatch-warp and store-offload
-# choices are knobs moe_ep does not expose yet (the kernel's defaults run: static, one dispatch warp, folded
-# producers), so these rows are a starting point for tools/tune, not its measured optimum.
+# choices are left at the kernel's defaults here (static, one dispatch warp, folded producers); the tuner searches
+# them (EXCHANGE_KNOBS), so these rows are a starting point for tools/tune, not its measured optimum.
 # bucket -> (mma_tiler_mnk, cluster_shape_mnk, group_hint)
 W4A8_MXFP4_DEFAULTS = {
     8: ((256, 16, 256), (2, 1, 1), 132),

@@ -1,12 +1,15 @@
 """Searching the Hopper kernels' knob space: the candidates, the build check, the timing, and knobs="auto".
 
-Two stages, as the H200 sweeps of 2026-11-30 suggest (docs/tuning.md): the structural knobs decide most of the
-time (operand order, tile, cluster shape, ping-pong: up to 2x between candidates at one capacity), the
-scheduling knobs refine the best few (group_hint, token-back mode, tail-split pairs, flag batching: a few
-percent to 20%). Stage 1 enumerates every structural combination the kernel accepts, ranks them by how well
-the token tile fits the tokens each expert receives at this capacity (plus the drop's own table rows and the
-measured winners), and keeps the best-ranked. Stage 2 varies one scheduling knob at a time around the stage-1
-winners. Candidates the kernel's constructor rejects are dropped before anything compiles (build_check).
+Staged, as the H200 sweeps of 2026-11-30 suggest (docs/tuning.md): the structural knobs decide most of the time
+(operand order, tile, cluster shape, ping-pong: up to 2x between candidates at one capacity), the scheduling knobs
+refine the best few (group_hint, token-back mode, tail-split pairs, flag batching, load balancing: a few percent to
+20%), then the exchange knobs refine the best one (dispatch warps, the producer-warp layout, the FC1 store path,
+scheduler stages, dispatch dedup, the pull buffer, W4A8's narrow FC2 tail), and the changes that helped are tried
+together. Stage 1 enumerates every structural combination the kernel accepts, ranks them by how well the token tile
+fits the tokens each expert receives at this capacity (plus the drop's own table rows, the measured winners and any
+seeds the caller has), and keeps the best-ranked; each later stage changes one knob at a time around the earlier
+stages' winners. Candidates the kernel's constructor rejects, and candidates it would build into the same program as
+one already on the list (build_probe's signature), are dropped before anything compiles.
 
 tools/tune drives this over many geometries with parallel compiles (one GPU, candidates timed one at a time);
 knobs="auto" on a layer runs `autotune` below: one process per rank, the same short list on every rank, timed
@@ -18,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,8 +32,9 @@ from shim.common.autotune import AutotuneResult, collective_autotune
 from shim.common.knob_cache import KnobCache
 from shim.sm90.knobs import KNOB_SPACE, KERNEL_CLASS, InvalidKnobsError, Sm90Knobs, heuristic_knobs
 
-__all__ = ["structural_candidates", "scheduling_candidates", "candidate_knobs", "build_check", "time_frontend",
-           "synthetic_inputs", "autotune", "MEASURED_WINNERS"]
+__all__ = ["structural_candidates", "scheduling_candidates", "exchange_candidates", "combined_candidates",
+           "candidate_knobs", "build_check", "build_probe", "kernel_signature", "time_frontend", "synthetic_inputs",
+           "autotune", "MEASURED_WINNERS"]
 
 # Structural winners measured on the H200 (DeepSeek-V3 geometry, FP8, world size 1, 2026-11-30 sweeps): ranked
 # first wherever their token tile fits, whatever the table says.
@@ -70,10 +74,12 @@ def _fit(knobs: Sm90Knobs, per_expert: float) -> float:
 
 
 def structural_candidates(fmt: str, spec: MoESpec, world_size: int = 1, limit: int = 14,
-                          accepts: Optional[Callable[[Sm90Knobs], bool]] = None) -> List[Sm90Knobs]:
-    """Stage 1: the heuristic's own row first, the drop's table rows of the neighbouring buckets and the
-    measured winners next, then every other structural combination by fit; rejected ones dropped; `limit`
-    kept. Structural knobs only: the scheduling ones stay at the heuristic's values."""
+                          accepts: Optional[Callable[[Sm90Knobs], bool]] = None,
+                          seeds: Sequence[Sm90Knobs] = ()) -> List[Sm90Knobs]:
+    """Stage 1: the heuristic's own row first, then `seeds` as they are (a shipped entry of this key, another
+    format's winner at the same geometry and capacity), the drop's table rows of the neighbouring buckets and the
+    measured winners next, then every other structural combination by fit; rejected ones dropped; `limit` kept.
+    Apart from the seeds, structural knobs only: the scheduling ones stay at the heuristic's values."""
     from shim.sm90 import kernel_symbols as ks
 
     c = spec.max_tokens_per_rank
@@ -86,7 +92,8 @@ def structural_candidates(fmt: str, spec: MoESpec, world_size: int = 1, limit: i
     def structural(k: Sm90Knobs) -> Sm90Knobs:
         return k.replace(**sched)
 
-    first: List[Sm90Knobs] = [base]
+    kernel = KERNEL_CLASS[fmt]
+    first: List[Sm90Knobs] = [base] + [k for k in seeds if k.kernel == kernel]
     b = ks.token_bucket(max(c, 1))
     first += [structural(heuristic_knobs(fmt, x, **geometry)) for x in ks.TOKEN_BUCKETS
               if b // 4 <= x <= b * 4 and x != b]
@@ -95,16 +102,21 @@ def structural_candidates(fmt: str, spec: MoESpec, world_size: int = 1, limit: i
     ranked = _keep(first + rest, limit + 64, accepts)
     # Both operand orders stay in the race (their fit is not comparable across orders at the extremes).
     keep = ranked[:limit]
-    for swap in (False, True):
+    for swap in (False, True) if len({k.swap_ab for k in ranked}) > 1 else ():
         have = [k for k in keep if k.swap_ab == swap]
         for k in [k for k in ranked[limit:] if k.swap_ab == swap][:max(0, 2 - len(have))]:
-            drop = next(i for i in range(len(keep) - 1, 0, -1) if sum(c.swap_ab == keep[i].swap_ab for c in keep) > 2)
+            drop = next((i for i in range(len(keep) - 1, 0, -1) if sum(c.swap_ab == keep[i].swap_ab for c in keep) > 2),
+                        None)
+            if drop is None:  # a list this short has no room for two of each order
+                break
             keep[drop] = k
     return keep
 
 
 def scheduling_candidates(best: Sequence[Sm90Knobs], limit: int = 10,
-                          accepts: Optional[Callable[[Sm90Knobs], bool]] = None) -> List[Sm90Knobs]:
+                          accepts: Optional[Callable[[Sm90Knobs], bool]] = None,
+                          signature: Optional[Callable[[Sm90Knobs], object]] = None,
+                          exclude: Iterable[object] = ()) -> List[Sm90Knobs]:
     """Stage 2: around each of the stage-1 winners, one scheduling knob changed at a time (load-balance mode where
     the kernel has two, group_hint, token-back mode, tail-split pairs where the cluster allows them, flag
     batching)."""
@@ -120,12 +132,95 @@ def scheduling_candidates(best: Sequence[Sm90Knobs], limit: int = 10,
             out.append(k.replace(tail_split_pairs=not k.tail_split_pairs))
         out += [k.replace(flag_batch=f) for f in (2, 4) if f != k.flag_batch]
         out += [k.replace(epi_flag_batch=f) for f in (2, 4) if f != k.epi_flag_batch]
-    return _keep(out, limit, accepts, exclude=set(best))
+    return _keep(out, limit, accepts, exclude=set(best), signature=signature, exclude_signatures=exclude)
 
 
-def _keep(cands: Iterable[Sm90Knobs], limit: int, accepts, exclude=()) -> List[Sm90Knobs]:
+# The kernels' own defaults of the exchange knobs (what None means): megamoe_kernel_fp8.py's constructor
+# (Sm90MegaMoEFp8Kernel.__init__'s signature; Sm90MegaMoESwapABMxfp4Fp8Kernel sets compact_pull_buffer False and
+# mxfp4_fc2_tail_n8 False) and kernel_fp8_glu_fc12.py (num_sched_stages None -> 2).
+EXCHANGE_DEFAULTS = {
+    "Sm90MegaMoEFp8Kernel": (("active_dispatch_warps", 1), ("fold_producer_warps", True), ("fc1_store_offload", True),
+                             ("fc1_early_done_publish", False), ("num_sched_stages", 2), ("dedup_dispatch", False),
+                             ("compact_pull_buffer", True)),
+    "Sm90MegaMoESwapABMxfp4Fp8Kernel": (("active_dispatch_warps", 1), ("fold_producer_warps", True),
+                                        ("fc1_store_offload", True), ("fc1_early_done_publish", False),
+                                        ("num_sched_stages", 2), ("dedup_dispatch", False),
+                                        ("compact_pull_buffer", False), ("mxfp4_fc2_tail_n8", False)),
+}  # (knob, value) pairs, as EXCHANGE_VARIANTS below
+
+
+# Stage 3's changes, in the order they are tried (a stage limit keeps the first): those that move the most bytes or
+# free the most shared memory first. The compact pull buffer gives W4A8 back 3 x H bytes of shared memory per CTA (its
+# kernel defaults to one pull slot per dispatch warp, active or not: megamoe_kernel_fp8.py), a pipeline stage at
+# H 7168; more dispatch warps pull tokens faster at large T; dedup pulls a token routed to several local experts
+# once instead of K times; an unfolded producer warpgroup frees the dispatch warpgroup and runs the FC1 store server;
+# the narrow FC2 tail spares W4A8's M256 x N64 tile its empty columns at the last token block. Folding the producers
+# into the dispatch warpgroup forces the store offload off and early publication on, so the store paths are reached
+# only with the fold off.
+EXCHANGE_VARIANTS = (
+    (("compact_pull_buffer", True),),
+    (("active_dispatch_warps", 2),),
+    (("dedup_dispatch", True),),
+    (("fold_producer_warps", False),),
+    (("mxfp4_fc2_tail_n8", True),),
+    (("active_dispatch_warps", 4),),
+    (("num_sched_stages", 3),),
+    (("fold_producer_warps", False), ("fc1_store_offload", False), ("fc1_early_done_publish", True)),
+    (("num_sched_stages", 4),),
+    (("num_sched_stages", 1),),
+    (("fold_producer_warps", False), ("fc1_store_offload", False)),
+    (("compact_pull_buffer", False),),
+)  # (knob, value) pairs, not dicts: the drop audit reads a dict naming constructor arguments as a call of them
+
+
+def exchange_candidates(best: Sequence[Sm90Knobs], limit: int = 12,
+                        accepts: Optional[Callable[[Sm90Knobs], bool]] = None,
+                        signature: Optional[Callable[[Sm90Knobs], object]] = None,
+                        exclude: Iterable[object] = ()) -> List[Sm90Knobs]:
+    """Stage 3: around each of the earlier stages' winners, one exchange change at a time (EXCHANGE_VARIANTS, in
+    order; those the kernel's KNOB_SPACE lacks or the set already has skipped). Sets the kernel would build into the
+    same program as an earlier one (`signature`, and the signatures in `exclude`) are dropped: an offload request under
+    folded producers, say."""
+    out: List[Sm90Knobs] = []
+    for k in best:
+        space, default = KNOB_SPACE[k.kernel], dict(EXCHANGE_DEFAULTS.get(k.kernel, ()))
+        for pairs in EXCHANGE_VARIANTS:
+            change = dict(pairs)
+            if not all(name in space for name in change):
+                continue
+            current = {name: default.get(name) if getattr(k, name) is None else getattr(k, name) for name in change}
+            if current != change:
+                out.append(k.replace(**change))
+    return _keep(out, limit, accepts, exclude=set(best), signature=signature, exclude_signatures=exclude)
+
+
+def combined_candidates(base: Sm90Knobs, changes: Sequence[Mapping[str, Any]], limit: int = 3,
+                        accepts: Optional[Callable[[Sm90Knobs], bool]] = None,
+                        signature: Optional[Callable[[Sm90Knobs], object]] = None,
+                        exclude: Iterable[object] = ()) -> List[Sm90Knobs]:
+    """Stage 4: the best set so far with the changes that did not hurt in stages 2-3 applied together. `changes`:
+    what each such candidate changed from the set it was derived from (fastest first). Each of the first three on
+    top of `base` (the ones `base` already has skipped), each pair of them, then all three."""
+    picked: List[Dict[str, Any]] = []
+    for c in changes:
+        c = {f: v for f, v in c.items() if getattr(base, f) != v}
+        if c and c not in picked:
+            picked.append(c)
+    picked = picked[:3]
+    combos: List[Dict[str, Any]] = [dict(c) for c in picked]
+    combos += [{**a, **b} for i, a in enumerate(picked) for b in picked[i + 1:] if not set(a) & set(b)]
+    if len(picked) > 2 and not any(set(a) & set(b) for i, a in enumerate(picked) for b in picked[i + 1:]):
+        combos.append({f: v for c in picked for f, v in c.items()})
+    combos.sort(key=len, reverse=True)  # more changes first: the singles were mostly timed in their own stage
+    return _keep([base.replace(**c) for c in combos], limit, accepts, exclude={base},
+                 signature=signature, exclude_signatures=exclude)
+
+
+def _keep(cands: Iterable[Sm90Knobs], limit: int, accepts, exclude=(), signature=None,
+          exclude_signatures: Iterable[object] = ()) -> List[Sm90Knobs]:
     out: List[Sm90Knobs] = []
     seen = set(exclude)
+    seen_sig = set(exclude_signatures)
     for k in cands:
         if k in seen:
             continue
@@ -136,6 +231,11 @@ def _keep(cands: Iterable[Sm90Knobs], limit: int, accepts, exclude=()) -> List[S
             continue
         if accepts is not None and not accepts(k):
             continue
+        if signature is not None:
+            sig = signature(k)
+            if sig is None or sig in seen_sig:
+                continue
+            seen_sig.add(sig)
         out.append(k)
         if len(out) >= limit:
             break
@@ -147,17 +247,38 @@ def build_check(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clu
     """accepts(knobs) -> bool: whether the kernel's constructor takes this knob set for this geometry (no
     buffers, no compile: the constructor is where the kernel states what it refuses). kernel_format: the table
     row (default: the frontend class's own)."""
+    probe = build_probe(frontend_cls, spec, world_size, max_active_clusters, kernel_format)
+    return lambda knobs: probe(knobs) is not None
 
-    def accepts(knobs: Sm90Knobs) -> bool:
+
+def kernel_signature(knobs: Sm90Knobs, kernel) -> tuple:
+    """What the constructed kernel will build, as far as the knobs decide it: two knob sets with one signature are
+    one program (the constructor folds several exchange knobs into others: folded producer warps force the FC1
+    store offload off and early publication on, ping-pong keeps the store in the epilogue, a store server without
+    registers falls back to early publication; kernel_fp8_glu_fc12*.py, megamoe_kernel_fp8.py)."""
+    comm = getattr(kernel, "token_comm", None)
+    mxfp4 = getattr(kernel, "mxfp4_optimizations", None)
+    return (type(kernel).__name__, knobs.correctness_part(), knobs.group_hint, knobs.flag_batch, knobs.epi_flag_batch,
+            getattr(kernel, "fold_producer_warps", None), getattr(kernel, "fc1_store_offload", None),
+            getattr(kernel, "fc1_early_done_publish", None), getattr(comm, "active_dispatch_warps", None),
+            getattr(comm, "compact_pull_buffer", None), getattr(kernel, "dedup_dispatch", None),
+            knobs.num_sched_stages or 2, None if mxfp4 is None else mxfp4.identity())
+
+
+def build_probe(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132,
+                kernel_format=None):
+    """probe(knobs) -> kernel_signature of what the kernel's constructor builds for this knob set and geometry, or
+    None when it refuses the set (no buffers, no compile)."""
+
+    def probe(knobs: Sm90Knobs):
         fe = frontend_cls.unbuilt(spec, RankContext.detached(0, world_size), knobs, kernel_format=kernel_format,
                                   max_active_clusters=max_active_clusters)
         try:
-            fe.build_kernel(knobs)
-            return True
+            return kernel_signature(knobs, fe.build_kernel(knobs))
         except InvalidKnobsError:
-            return False
+            return None
 
-    return accepts
+    return probe
 
 
 def candidate_knobs(fmt: str, spec: MoESpec, world_size: int = 1, limit: int = 6,

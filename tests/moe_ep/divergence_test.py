@@ -132,7 +132,7 @@ def test_in_band_raises_on_every_mismatch_and_refuses_later_calls():
     mine = lg.fingerprint()
     assert mine == (L1, 1, 1)
     divergence.in_band(lg, mine, [list(mine), list(mine)])  # in step
-    divergence.in_band(lg, mine, [list(mine), [0, 0, 0]])   # a peer not watched: nothing to compare
+    divergence.in_band(lg, (0, 0, 0), [[0, 0, 0], [0, 0, 0]])  # a layer that logs nothing, on every rank
     assert lg.diverged is None
     with pytest.raises(moe_ep.RankDivergenceError) as e:
         divergence.in_band(lg, mine, [list(mine), [L2, 1, 1]])
@@ -147,6 +147,36 @@ def test_in_band_raises_on_every_mismatch_and_refuses_later_calls():
     with pytest.raises(moe_ep.RankDivergenceError):
         with w:
             pass
+
+
+def test_a_fingerprint_against_a_layer_that_logs_nothing_is_out_of_step():
+    # With unwatched calls logged too (#31), zeros come only from a layer built with the sequence check off on every
+    # rank: zeros meeting a fingerprint are two ranks in different layers.
+    lg = log()
+    lg.names[L1] = "L1"
+    with pytest.raises(moe_ep.RankDivergenceError) as e:
+        divergence.in_band(lg, (L1, 3, 7), [[L1, 3, 7], [0, 0, 0]])
+    assert e.value.ranks == (1,) and "a layer with its sequence check off" in str(e.value)
+    assert lg.diverged is not None
+
+
+def test_a_layer_caller_logs_and_clears_its_fingerprint():
+    lg = log()
+    a, b = sequence.Caller(lg, L1), sequence.Caller(lg, L2)
+    assert lg.open == 2 and lg.live
+    a.enter()
+    assert lg.fingerprint() == (L1, 1, 1)
+    a.leave()
+    b.enter()
+    assert lg.fingerprint() == (L2, 1, 2)
+    b.leave()
+    assert lg.fingerprint() == (0, 0, 0) and lg.entries(1, 9) == (1, [L1, L2], [1, 1])
+    lg.mark(moe_ep.RankDivergenceError(None, "out of step", ranks=(1,)))
+    with pytest.raises(moe_ep.RankDivergenceError):
+        a.enter()
+    assert a.calls == 1 and lg.seq == 2  # refused, not logged
+    a.close(), b.close(), a.close()
+    assert lg.open == 0 and not lg.live
 
 
 def test_watch_begin_logs_every_collective_call_nested_or_not():
@@ -167,17 +197,18 @@ def test_identities_follow_creation_order_with_the_watchdog_off_too(monkeypatch)
     # a pretend group of two (no process group here): layers take even identities, collective watches odd ones
     monkeypatch.setattr(sequence, "group_ranks", lambda group: ([0, 1], 0))
     monkeypatch.setattr(sequence, "group_key", lambda group, ranks: "identities:0,1")
-    bound = moe_ep.core.watchdog.Bound(30.0, "t")
-    _, a = wd_watches.watch_layer("A", bound, None, "cpu")
-    _, off = wd_watches.watch_layer("B", None, None, "cpu")  # watchdog off: no Watch, the identity is still taken
-    _, c = wd_watches.watch_layer("C", bound, None, "cpu")
+    _, a, lg = wd_watches.layer_identity("A", None)
+    _, b, _ = wd_watches.layer_identity("B", None)  # whatever its watchdog: the identity is taken
+    _, c, _ = wd_watches.layer_identity("C", None)
     g = moe_ep.watch("graph", collective=True, device="cpu", timeout_s=30)
     plain = moe_ep.watch("plain", device="cpu", timeout_s=30)
-    assert off is None and (a.code, c.code, g.code, plain.code) == (2, 6, 3, 0)
-    assert a._log is c._log is g._log and plain._log is None and a._log.names[4] == "B"
-    for w in (a, c, g, plain):
+    assert wd_watches.layer_watch("B", None, None, "cpu") is None  # the timer off: no Watch
+    assert (a, b, c, g.code, plain.code) == (2, 4, 6, 3, 0)
+    assert g._log is lg and plain._log is None and lg.names[4] == "B"
+    layers = [sequence.Caller(lg, code) for code in (a, b, c)]
+    for w in layers + [g, plain]:
         w.close()
-    assert a._log.open == 0 and not a._log.live  # nothing open: neither published nor compared
+    assert lg.open == 0 and not lg.live  # nothing open: neither published nor compared
 
 
 def test_a_trip_finds_a_peer_out_of_step_in_its_heartbeat(monkeypatch):

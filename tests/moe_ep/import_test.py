@@ -38,7 +38,8 @@ def test_import_in_a_fresh_cpu_only_process():
 def test_all_is_explicit_and_complete():
     assert len(moe_ep.__all__) == len(set(moe_ep.__all__))
     public = {n for n in vars(moe_ep) if not n.startswith("_") and n not in ("core", "eplb", "formats", "reference",
-                                                                              "testing", "module", "integrations")}
+                                                                              "testing", "module", "integrations",
+                                                                              "split")}
     assert public == set(moe_ep.__all__)
 
 
@@ -52,7 +53,7 @@ def _imports(path: Path):
             yield node.module
 
 
-@pytest.mark.parametrize("sub", ["core", "eplb", "formats", "reference", "testing", "integrations"])
+@pytest.mark.parametrize("sub", ["core", "eplb", "formats", "reference", "split", "testing", "integrations"])
 def test_runtime_sources_name_no_kernel_tree_and_no_shim(sub):
     """The ground floor imports nothing above it: no kernel tree, no shim (the registry names the kernel backends
     by lazy strings only)."""

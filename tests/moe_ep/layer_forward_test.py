@@ -180,5 +180,52 @@ def test_compiled_call_with_lenient_inputs_and_chunks(group):
         assert torch.equal(got, lay(x, idx, w.bfloat16()) * 2)
 
 
+# -- the layer's weights are its own (#31 item 3) ------------------------------------------------------------------
+def test_a_loader_reusing_one_buffer_does_not_change_a_built_layer(group):
+    # Engines load each layer's experts into a buffer they reuse for the next one: the layer must have copied.
+    spec = moe_ep.MoESpec(H, I, E, K, C)
+    buf = _weights()
+    x, idx, w = _inputs(5, seed=3)
+    first = moe_ep.MoELayer(spec, buf, fmt="bf16")
+    before = first(x, idx, w).clone()
+    other = one_rank_weights(E, H, I, 12, seed=9)
+    buf.w13.copy_(other.w13)  # the loader's next layer, into the same tensors
+    buf.w2.copy_(other.w2)
+    second = moe_ep.MoELayer(spec, buf, fmt="bf16")
+    assert torch.equal(first(x, idx, w), before)
+    assert not torch.equal(second(x, idx, w), before)
+    first.close(), second.close()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_replace_experts_writes_only_the_layers_own_memory(group, fmt):
+    spec = moe_ep.MoESpec(H, I, E, K, C)
+    given = _weights()
+    kept = (given.w13.clone(), given.w2.clone())
+    a = moe_ep.MoELayer(spec, given, fmt=fmt)
+    b = moe_ep.MoELayer(spec, given, fmt=fmt)  # built from the same tensors
+    x, idx, w = _inputs(6, seed=4)
+    ref_b = b(x, idx, w).clone()
+    new = one_rank_weights(E, H, I, 12, seed=7)
+    a.replace_experts([0, 1], (new.w13[:2], new.w2[:2]))
+    assert torch.equal(given.w13, kept[0]) and torch.equal(given.w2, kept[1])  # the caller's tensors: untouched
+    assert torch.equal(b(x, idx, w), ref_b)  # ... and so the other layer
+    assert not torch.equal(a(x, idx, w), ref_b)
+    a.close(), b.close()
+
+
+def test_a_quantized_pack_on_the_layers_device_is_copied(group):
+    spec = moe_ep.MoESpec(H, I, E, K, C)
+    from moe_ep.formats import quantize_weights
+
+    pack = quantize_weights("mxfp8", _weights().w13, _weights().w2)
+    given = moe_ep.ExpertWeights.from_quantized(pack, 0, 1, E)
+    layer = moe_ep.MoELayer(spec, given)
+    used = layer.oracle_weights()
+    theirs = {getattr(pack, n).untyped_storage().data_ptr() for n in pack.tensor_fields()}
+    assert all(getattr(used, n).untyped_storage().data_ptr() not in theirs for n in used.tensor_fields())
+    layer.close()
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

@@ -219,6 +219,40 @@ def test_bad_layer_arguments(group, make, err, argument):
     assert e.value.argument == argument
 
 
+def _left():
+    from moe_ep.core import op
+    from moe_ep.core.watchdog import monitor, sequence
+
+    return len(op._layers), sum(lg.open for lg in sequence.logs()), len(monitor.get().watches)
+
+
+def test_a_refused_layer_leaves_nothing_behind(group, monkeypatch):
+    spec = moe_ep.MoESpec(H, I, E, K, C)
+    before = _left()
+    with pytest.raises(moe_ep.UnknownArgumentError) as e:
+        moe_ep.MoELayer(spec, _weights(), bogus=1)
+    assert e.value.argument == "bogus" and isinstance(e.value, TypeError) and "apply_topk_in_fc1" in str(e.value)
+    with pytest.raises(moe_ep.DeviceUnavailableError) as e:
+        moe_ep.MoELayer(spec, _weights(), device="cpu:1")
+    assert e.value.argument == "device"
+    # A backend that fails while laying out its weights (after the agreement) is closed, and so is everything else.
+    from moe_ep.reference.backend import TorchReferenceBackend
+
+    closed = []
+    monkeypatch.setattr(TorchReferenceBackend, "prepare_weights", lambda self, w: (_ for _ in ()).throw(
+        moe_ep.WorkspaceError("max_tokens_per_rank", "no room")))
+    monkeypatch.setattr(TorchReferenceBackend, "close", lambda self: closed.append(self))
+    with pytest.raises(moe_ep.WorkspaceError):
+        moe_ep.MoELayer(spec, _weights(), timeout_s=30)
+    assert len(closed) == 1 and _left() == before
+
+
+def test_cpu_0_is_the_cpu(group):
+    with moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, K, C), _weights(), device="cpu:0") as lay:
+        assert lay.device == torch.device("cpu")
+        assert lay(*_inputs()).shape == (5, H)
+
+
 def test_backend_and_format_selection_errors(group):
     spec = moe_ep.MoESpec(H, I, E, K, C)
     with pytest.raises(moe_ep.BackendNotFoundError) as e:

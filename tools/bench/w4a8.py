@@ -1,7 +1,9 @@
-"""The #22 formats on one Hopper GPU in one run: correctness of W4A8 MXFP4, W4A8 NVFP4 and per-tensor FP8, then
-their time beside blockwise FP8, with a table, CSV/JSON and a plot.
+"""The Hopper 8-bit-activation formats on one GPU in one run: correctness of W4A8 MXFP4, W4A8 NVFP4 and per-tensor
+FP8, their time beside blockwise FP8 against #35's targets, and an ablation that says where W4A8's time goes; a
+table, CSV/JSON and a plot.
 
-    python -m tools.bench.w4a8 --out DIR [--workers 6] [--budget-s 360]      (GPU host, no Bazel)
+    python -m tools.bench.w4a8 --out DIR [--workers 6] [--budget-s 360] [--skip-checks] [--skip-ablation]
+                                                                            (GPU host, no Bazel)
     python -m tools.bench.w4a8 --dry-run                                     (any host: the plan, every kernel
                                                                                constructor run, nothing compiled)
 
@@ -14,9 +16,18 @@ their time beside blockwise FP8, with a table, CSV/JSON and a plot.
    unquantized fp64 MoE (the format's own error). W4A8 NVFP4 has no kernel in the pinned tree: its row gives the
    reason and the format's own error through the torch reference.
 2. Time, DeepSeek-V3 geometry, W4A8 MXFP4 / W4A8 NVFP4 (unavailable) / FP8 blockwise / FP8 per-tensor at T in 1, 8,
-   32, 128, 512, 2048, 4096: capacity = T rounded up to a power of two (>= 8), knobs as a layer resolves them (FP8
-   blockwise: the shipped H200 table; the others: their heuristic), one forward captured in a CUDA graph by the
-   caller and replayed, median over 7 batches of 20 replays (per-replay mean of a batch).
+   32, 128, 512, 2048, 4096: capacity = T rounded up to a power of two (>= 8), knobs as a layer resolves them (the
+   shipped H200 table, else the knob model, else the heuristic), one forward captured in a CUDA graph by the
+   caller and replayed, median over 7 batches of 20 replays (per-replay mean of a batch). The ratios against #35's
+   targets, met or missed.
+3. Ablation (no extra compile for (a)): (a) W4A8 and blockwise FP8 at every T also on two other routings of the same
+   T tokens: every slot -1 ("empty": launch, staging, barriers, the scheduler's walk, the top-k reduce, no expert
+   work) and every token to the same K experts ("hot": K experts' weights instead of the ~all a balanced routing
+   touches), so (balanced - hot) / (experts touched - K) is the time one more expert's weights cost, and its bytes over
+   that time the rate the mainloop streams them at; (b) at capacities 8 and 2048, W4A8 on its resolved tile with K 128
+   and blockwise FP8 swap-AB on that same tile: W4A8 K128 / FP8 swap-AB is what the in-register dequant costs at one
+   schedule, FP8 swap-AB / FP8 as resolved what W4A8's swap-AB-only operand order costs; (c) the device-to-device copy
+   rate of this GPU, the bandwidth floors' yardstick.
 
 Compiles dominate (10-60 s each): a pool of worker processes compiles off the GPU and takes a lock to load, run
 and time one kernel at a time on the otherwise idle GPU. Results stream to DIR/results.jsonl as they come; after
@@ -53,11 +64,15 @@ CHECK_CAPACITY = 1024
 TIME_GEOM = "dsv3"
 TIME_TOKENS = (1, 8, 32, 128, 512, 2048, 4096)
 BATCHES, REPLAYS = 7, 20
-# #22's targets: W4A8 / FP8-blockwise time at most this at T (T >= 512: 1.10); per-tensor / blockwise <= 0.90
-# at T >= 2048.
-W4A8_TARGET = {1: 0.75, 8: 0.62, 32: 0.62, 128: 0.80}
-W4A8_TARGET_LARGE = 1.10
-TENSOR_TARGET, TENSOR_FROM = 0.90, 2048
+# #35's targets: W4A8 / FP8-blockwise time at most this at T (T >= 512: 1.00); per-tensor / blockwise <= 1.00 at
+# every T and <= 0.85 at T >= 2048.
+W4A8_TARGET = {1: 0.70, 8: 0.60, 32: 0.60, 128: 0.75}
+W4A8_TARGET_LARGE = 1.00
+TENSOR_TARGET, TENSOR_TARGET_LARGE, TENSOR_FROM = 1.00, 0.85, 2048
+# The ablation: the routings each W4A8 / blockwise time job also runs, and the capacities of the same-tile pairs.
+ABLATION_FORMATS = ("w4a8_mxfp4", "fp8_block")
+ROUTINGS = ("balanced", "empty", "hot")
+SAME_TILE_CAPACITIES = (8, 2048)
 
 
 def capacity_for(t: int) -> int:
@@ -65,33 +80,44 @@ def capacity_for(t: int) -> int:
     return max(8, 1 << max(0, t - 1).bit_length())
 
 
-def plan(check: bool = True, timing: bool = True) -> List[Dict[str, Any]]:
-    """Every job, in the order they are submitted: checks first, then timings by capacity, formats interleaved
-    (each capacity's ratios fill in together)."""
+def plan(check: bool = True, timing: bool = True, ablation: bool = True) -> List[Dict[str, Any]]:
+    """Every job, in the order they are submitted: checks first, then the copy rate, timings by capacity, formats
+    interleaved (each capacity's ratios fill in together), then the same-tile pairs."""
     jobs: List[Dict[str, Any]] = []
     if check:
         for geom in CHECK_GEOMS:
             for fmt in NEW_FORMATS:
                 jobs.append(dict(kind="check", fmt=fmt, geom=geom, capacity=CHECK_CAPACITY, tokens=list(CHECK_TOKENS)))
     if timing:
+        if ablation:
+            jobs.append(dict(kind="copy", fmt="-", geom="-", capacity=0, tokens=[]))
         by_cap: Dict[int, List[int]] = {}
         for t in TIME_TOKENS:
             by_cap.setdefault(capacity_for(t), []).append(t)
         for cap, tokens in sorted(by_cap.items()):
             for fmt in TIMED_FORMATS:
-                jobs.append(dict(kind="time", fmt=fmt, geom=TIME_GEOM, capacity=cap, tokens=tokens))
+                routings = list(ROUTINGS) if ablation and fmt in ABLATION_FORMATS else ["balanced"]
+                jobs.append(dict(kind="time", fmt=fmt, geom=TIME_GEOM, capacity=cap, tokens=tokens,
+                                 routings=routings))
+        if ablation:
+            for cap in SAME_TILE_CAPACITIES:
+                tokens = by_cap.get(cap, [cap])
+                for fmt, variant in (("w4a8_mxfp4", "w4a8_k128"), ("fp8_block", "fp8_swap_same_tile")):
+                    jobs.append(dict(kind="time", fmt=fmt, geom=TIME_GEOM, capacity=cap, tokens=tokens,
+                                     routings=["balanced"], variant=variant))
     for n, j in enumerate(jobs):
         j["id"] = n
     return jobs
 
 
 def targets_met(t: int, w4a8_ratio: Optional[float], tensor_ratio: Optional[float]) -> Dict[str, Optional[bool]]:
-    """#22's verdicts at T (None where there is no number or no target)."""
+    """#35's verdicts at T (None where there is no number or no target)."""
     bound = W4A8_TARGET.get(t, W4A8_TARGET_LARGE if t >= 512 else None)
+    tensor = TENSOR_TARGET_LARGE if t >= TENSOR_FROM else TENSOR_TARGET
     return {"w4a8_target": bound,
             "w4a8_ok": None if bound is None or w4a8_ratio is None else w4a8_ratio <= bound,
-            "tensor_target": TENSOR_TARGET if t >= TENSOR_FROM else None,
-            "tensor_ok": None if t < TENSOR_FROM or tensor_ratio is None else tensor_ratio <= TENSOR_TARGET}
+            "tensor_target": tensor,
+            "tensor_ok": None if tensor_ratio is None else tensor_ratio <= tensor}
 
 
 # -- worker side ---------------------------------------------------------------------------------------------
@@ -160,8 +186,39 @@ def _unavailable(fmt: str) -> Optional[str]:
     return None if info.available else info.reason
 
 
-def _frontend(fmt: str, geom: str, capacity: int, device, compile_only: bool = False):
-    """(frontend, knobs, where they came from) as a layer builds them, its weights laid out once per worker."""
+def _variant_knobs(variant: str, geom: str, capacity: int, ctx):
+    """The ablation's knob sets (module docstring, 3b), from the W4A8 layer's own resolved set at this capacity:
+    "w4a8_k128" that set on a K-128 tile; "fp8_swap_same_tile" blockwise FP8 swap-AB on that tile (K 128, token N at
+    most 64: FP8's swap-AB tiles)."""
+    from shim.sm90.knobs import KERNEL_CLASS, Sm90Knobs
+
+    w4a8 = _backend_cls("w4a8_mxfp4")(_spec(geom, capacity), ctx, fmt="w4a8_mxfp4")
+    k, _ = w4a8.resolve_knobs(None)
+    m, n, _ = k.mma_tiler_mnk
+    if variant == "w4a8_k128":
+        return k.replace(mma_tiler_mnk=(m, n, 128), mxfp4_fc2_tail_n8=None)
+    if variant == "fp8_swap_same_tile":
+        from shim.sm90.knobs import EXCHANGE_KNOBS, KNOB_SPACE
+        from shim.sm90.tune import EXCHANGE_DEFAULTS, build_check
+
+        plain = Sm90Knobs(swap_ab=True, mma_tiler_mnk=(m, min(n, 64), 128), cluster_shape_mnk=k.cluster_shape_mnk,
+                          pingpong=k.pingpong, group_hint=k.group_hint, kernel=KERNEL_CLASS["fp8_block"])
+        # W4A8's schedule too, where FP8's kernel takes it: the same scheduling and exchange knobs, W4A8's defaults
+        # spelled out (the two kernels' defaults differ: the pull buffer).
+        w4a8_default = dict(EXCHANGE_DEFAULTS[k.kernel])
+        exchange = {f: getattr(k, f) if getattr(k, f) is not None else w4a8_default.get(f)
+                    for f in EXCHANGE_KNOBS if f in KNOB_SPACE[plain.kernel]}
+        same = plain.replace(token_back_mode=k.token_back_mode, load_balance_mode=k.load_balance_mode,
+                             flag_batch=k.flag_batch, epi_flag_batch=k.epi_flag_batch, **exchange)
+        spec = _spec(geom, capacity)
+        accepts = build_check(_backend_cls("fp8_block").frontend_class(), spec, kernel_format=None)
+        return same if accepts(same) else plain
+    raise ValueError(f"unknown ablation variant {variant!r}")
+
+
+def _frontend(fmt: str, geom: str, capacity: int, device, compile_only: bool = False, variant: Optional[str] = None):
+    """(frontend, knobs, where they came from) as a layer builds them, its weights laid out once per worker; with
+    `variant`, the ablation's knob set instead (source "ablation:<variant>")."""
     import torch
 
     from moe_ep.core.dist import RankContext
@@ -169,9 +226,12 @@ def _frontend(fmt: str, geom: str, capacity: int, device, compile_only: bool = F
     spec = _spec(geom, capacity)
     cls = _backend_cls(fmt)
     ctx = RankContext.detached(device=torch.device("cpu") if compile_only else device)
-    backend = cls(spec, ctx, fmt=fmt)
+    explicit = None if variant is None else _variant_knobs(variant, geom, capacity, ctx)
+    backend = cls(spec, ctx, fmt=fmt, knobs=explicit)
     weights = None if compile_only else _expert_weights(geom, device)
     knobs, source = backend.resolve_knobs(weights)
+    if variant is not None:
+        source = f"ablation:{variant}"
     if compile_only:
         fe = object.__new__(cls.frontend_class())  # the kernel's constructor only (tune.build_check's way)
         fe.spec, fe.ctx, fe.knobs, fe.compile_only, fe.max_active_clusters = spec, ctx, knobs, True, 132
@@ -188,10 +248,10 @@ def _frontend(fmt: str, geom: str, capacity: int, device, compile_only: bool = F
 
 
 @contextlib.contextmanager
-def _compiled(fmt: str, geom: str, capacity: int, device):
+def _compiled(fmt: str, geom: str, capacity: int, device, variant: Optional[str] = None):
     """The job's frontend, built (timed; outside the lock, so workers' compiles overlap) and compiled on the device
     under the lock, which the body keeps; closed afterwards. Yields (frontend, knobs, knob source, compile s)."""
-    fe, knobs, source = _frontend(fmt, geom, capacity, device)
+    fe, knobs, source = _frontend(fmt, geom, capacity, device, variant=variant)
     try:
         t0 = time.perf_counter()
         fe.build_compiled()
@@ -271,38 +331,90 @@ def _check(job: Dict[str, Any], device) -> List[Dict[str, Any]]:
     return rows
 
 
-def _time(job: Dict[str, Any], device) -> List[Dict[str, Any]]:
+def _routed(kind: str, spec, t: int, device):
+    """The inputs of one timing: the tuner's balanced routing at T (seed T), or the same tokens with every slot -1
+    ("empty") or all sent to experts 0..K-1 ("hot")."""
     import torch
 
-    from moe_ep.core.graphs import capture_graph
     from shim.sm90.tune import synthetic_inputs
+
+    x, idx, w, out = synthetic_inputs(spec, t, device, seed=t)
+    if kind == "empty":
+        idx = torch.full_like(idx, -1)
+    elif kind == "hot":
+        idx = idx.new_tensor(list(range(spec.top_k))).expand(t, spec.top_k).contiguous()
+    elif kind != "balanced":
+        raise ValueError(f"unknown routing {kind!r}")
+    return x, idx, w, out
+
+
+def _replay_us(graph, device) -> List[float]:
+    """Per-replay microseconds of BATCHES batches of REPLAYS back-to-back replays, after 5 warm-up replays."""
+    import torch
+
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    per = []
+    for _ in range(BATCHES):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        per.append(a.elapsed_time(b) * 1e3 / REPLAYS)
+    return per
+
+
+def _time(job: Dict[str, Any], device) -> List[Dict[str, Any]]:
+    from moe_ep.core.graphs import capture_graph
 
     fmt = job["fmt"]
     reason = _unavailable(fmt)
     if reason is not None:
         return [dict(T=t, us=None, reason=reason) for t in job["tokens"]]
     rows = []
-    with _compiled(fmt, job["geom"], job["capacity"], device) as (fe, knobs, source, compile_s):
+    variant = job.get("variant")
+    with _compiled(fmt, job["geom"], job["capacity"], device, variant) as (fe, knobs, source, compile_s):
         for t in job["tokens"]:
-            x, idx, w, out = synthetic_inputs(fe.spec, t, device, seed=t)
-            graph = capture_graph(lambda: fe.forward(x, idx, w, out), warmup=2, device=device)
-            for _ in range(5):
-                graph.replay()
-            torch.cuda.synchronize(device)
-            per = []
-            for _ in range(BATCHES):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(REPLAYS):
-                    graph.replay()
-                b.record()
-                b.synchronize()
-                per.append(a.elapsed_time(b) * 1e3 / REPLAYS)
-            del graph
-            rows.append(dict(T=t, us=statistics.median(per), best_us=min(per), batches_us=per,
-                             knobs=knobs.to_json(), knob_source=source, compile_s=compile_s,
-                             staging=getattr(fe, "staging", "torch")))
+            row = dict(T=t, knobs=knobs.to_json(), knob_source=source, compile_s=compile_s,
+                       staging=getattr(fe, "staging", "torch"), variant=variant)
+            for routing in job.get("routings", ["balanced"]):
+                x, idx, w, out = _routed(routing, fe.spec, t, device)
+                graph = capture_graph(lambda: fe.forward(x, idx, w, out), warmup=2, device=device)
+                per = _replay_us(graph, device)
+                del graph
+                if routing == "balanced":
+                    row.update(us=statistics.median(per), best_us=min(per), batches_us=per,
+                               experts=int(idx[idx >= 0].unique().numel()))
+                else:
+                    row[f"{routing}_us"] = statistics.median(per)
+            rows.append(row)
     return rows
+
+
+def _copy(device) -> List[Dict[str, Any]]:
+    """The device-to-device copy rate (bytes read + written per second) of 1 GiB, median of 10, as the bandwidth
+    floors use it."""
+    import torch
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    with _W["lock"]:
+        for _ in range(3):
+            dst.copy_(src)
+        torch.cuda.synchronize(device)
+        per = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            per.append(a.elapsed_time(b) / 1e3)
+    return [dict(T=0, copy_gbps=2 * n / statistics.median(per) / 1e9)]
 
 
 def run_job(job: Dict[str, Any]) -> Dict[str, Any]:
@@ -312,7 +424,10 @@ def run_job(job: Dict[str, Any]) -> Dict[str, Any]:
     out = dict(job, ok=False)
     try:
         device = torch.device("cuda", 0)
-        out["rows"] = (_check if job["kind"] == "check" else _time)(job, device)
+        if job["kind"] == "copy":
+            out["rows"] = _copy(device)
+        else:
+            out["rows"] = (_check if job["kind"] == "check" else _time)(job, device)
         out["ok"] = True
     except Exception as e:  # noqa: BLE001 - a job that cannot build or run is reported, with why
         out.update(error=f"{type(e).__name__}: {str(e)[:600]}", traceback=traceback.format_exc()[-2000:])
@@ -321,13 +436,29 @@ def run_job(job: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # -- coordinator side ----------------------------------------------------------------------------------------
+def expert_bytes(fmt: str, geom: str = TIME_GEOM) -> int:
+    """Weight bytes of one expert (docs/performance.md): 3 x H x I values; W4A8 MXFP4 half a byte each plus one e8m0
+    scale per 32 values, blockwise FP8 a byte each plus one fp32 scale per 128 x 128."""
+    g = CHECK_GEOMS[geom]
+    n = 3 * g["hidden"] * g["intermediate"]
+    return {"w4a8_mxfp4": n // 2 + n // 32, "fp8_block": n + n // (128 * 128) * 4}[fmt]
+
+
 def _flatten(results: List[Dict[str, Any]]):
-    checks, times = [], []
+    """(checks, times, same-tile rows, copy rate rows): one record per (job, T)."""
+    checks, times, same_tile, copy = [], [], [], []
     for r in results:
         for row in r.get("rows") or [dict(T=t, error=r.get("error", "not run")) for t in r["tokens"]]:
             rec = dict(fmt=r["fmt"], geom=r["geom"], capacity=r["capacity"], **row)
-            (checks if r["kind"] == "check" else times).append(rec)
-    return checks, times
+            if r["kind"] == "check":
+                checks.append(rec)
+            elif r["kind"] == "copy":
+                copy.append(rec)
+            elif r.get("variant"):
+                same_tile.append(dict(rec, variant=r["variant"]))
+            else:
+                times.append(rec)
+    return checks, times, same_tile, copy
 
 
 def _timing_table(times: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -345,14 +476,64 @@ def _timing_table(times: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return table
 
 
+def ablation_table(times: List[Dict[str, Any]], copy_gbps: Optional[float], top_k: int = 8) -> List[Dict[str, Any]]:
+    """Per T and format (W4A8, blockwise FP8): the balanced / empty / hot times, the experts the balanced routing
+    touches, what one more expert's weights cost (balanced - hot) / (experts - K), the rate that streams them at, the
+    fixed share (empty / balanced) and the bandwidth floor (experts x bytes over the copy rate)."""
+    out = []
+    for r in times:
+        if r["fmt"] not in ABLATION_FORMATS or r.get("us") is None:
+            continue
+        b = expert_bytes(r["fmt"], r["geom"])
+        row = dict(T=r["T"], fmt=r["fmt"], us=r["us"], empty_us=r.get("empty_us"), hot_us=r.get("hot_us"),
+                   experts=r.get("experts"), per_expert_us=None, stream_gbps=None, fixed_share=None, floor_us=None)
+        if row["hot_us"] is not None and row["experts"] and row["experts"] > top_k:
+            per = (r["us"] - row["hot_us"]) / (row["experts"] - top_k)
+            row["per_expert_us"] = per
+            row["stream_gbps"] = b / per / 1e3 if per > 0 else None
+        if row["empty_us"] is not None:
+            row["fixed_share"] = row["empty_us"] / r["us"]
+        if copy_gbps and row["experts"]:
+            row["floor_us"] = row["experts"] * b / copy_gbps / 1e3
+        out.append(row)
+    return sorted(out, key=lambda x: (x["T"], x["fmt"]))
+
+
+def same_tile_table(times: List[Dict[str, Any]], same_tile: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per capacity of the pairs and T: W4A8 and blockwise FP8 as resolved, W4A8 on K 128, blockwise FP8 swap-AB on
+    W4A8's tile; dequant = W4A8 K128 / FP8 swap-AB (one schedule, the in-register widening and half the bytes),
+    operand order = FP8 swap-AB / FP8 as resolved."""
+    us = {(r["fmt"], r["T"]): r for r in times}
+    var = {(r["variant"], r["T"]): r for r in same_tile}
+    out = []
+    for cap in SAME_TILE_CAPACITIES:
+        for t in [t for t in TIME_TOKENS if capacity_for(t) == cap] or [cap]:
+            w, f = us.get(("w4a8_mxfp4", t), {}), us.get(("fp8_block", t), {})
+            wk, fs = var.get(("w4a8_k128", t), {}), var.get(("fp8_swap_same_tile", t), {})
+            row = dict(capacity=cap, T=t, w4a8_us=w.get("us"), w4a8_tile=w.get("knobs", {}).get("mma_tiler_mnk"),
+                       w4a8_k128_us=wk.get("us"), fp8_swap_us=fs.get("us"),
+                       fp8_swap_tile=fs.get("knobs", {}).get("mma_tiler_mnk"), fp8_us=f.get("us"),
+                       fp8_tile=f.get("knobs", {}).get("mma_tiler_mnk"),
+                       fp8_swap=f.get("knobs", {}).get("swap_ab"))
+            row["dequant"] = row["w4a8_k128_us"] / row["fp8_swap_us"] if row["w4a8_k128_us"] and row["fp8_swap_us"] \
+                else None
+            row["order"] = row["fp8_swap_us"] / row["fp8_us"] if row["fp8_swap_us"] and row["fp8_us"] else None
+            out.append(row)
+    return out
+
+
 def _fmt(v, spec=".0f") -> str:
     return "-" if v is None else format(v, spec)
 
 
 def report(results: List[Dict[str, Any]], out: Path, meta: Dict[str, Any]) -> str:
-    checks, times = _flatten(results)
+    checks, times, same_tile, copy = _flatten(results)
     table = _timing_table(times)
-    lines = [f"# #22 formats on {meta.get('device', '?')} (drop {meta.get('drop', '?')})", "",
+    copy_gbps = next((c["copy_gbps"] for c in copy if c.get("copy_gbps")), None)
+    ablation = ablation_table(times, copy_gbps, CHECK_GEOMS[TIME_GEOM]["top_k"])
+    pairs = same_tile_table(times, same_tile)
+    lines = [f"# W4A8 and per-tensor FP8 beside blockwise FP8 on {meta.get('device', '?')} (drop {meta.get('drop', '?')})",
+             "",
              "## Correctness (oracle over the kernel's own weights and staged activations; fp64: the format's error)",
              "", "| fmt | geom | T | ok | max row rel (tol) | rel L2 | NaN | rel L2 vs fp64 | knobs |",
              "|" + "---|" * 9]
@@ -369,8 +550,9 @@ def report(results: List[Dict[str, Any]], out: Path, meta: Dict[str, Any]) -> st
     reasons = sorted({c["reason"] for c in checks + times if c.get("reason")})
     lines += ["", "## Time per forward, DeepSeek-V3 geometry, world size 1, caller-captured graph replay (us)", "",
               "| T | C | W4A8 MXFP4 | W4A8 NVFP4 | FP8 block | FP8 tensor | W4A8/FP8 (target) "
-              "| tensor/block (target) |",
-              "|" + "---|" * 8]
+              "| tensor/block (target) | knobs (W4A8 / block / tensor) |",
+              "|" + "---|" * 9]
+    source = {(r["fmt"], r["T"]): r.get("knob_source", "-") for r in times}
 
     def verdict(bound, ok) -> str:
         return "" if bound is None else f" (<= {bound:.2f}{'' if ok is None else ' met' if ok else ' MISSED'})"
@@ -380,9 +562,34 @@ def report(results: List[Dict[str, Any]], out: Path, meta: Dict[str, Any]) -> st
         tr = r["fp8_tensor/fp8_block"]
         wt = verdict(r["w4a8_target"], r["w4a8_ok"])
         tt = verdict(r["tensor_target"], r["tensor_ok"])
+        srcs = " / ".join(source.get((f, r["T"]), "-") for f in ("w4a8_mxfp4", "fp8_block", "fp8_tensor"))
         lines.append(f"| {r['T']} | {r['capacity']} | {_fmt(r['w4a8_mxfp4'])} | {_fmt(r['w4a8_nvfp4'])} | "
                      f"{_fmt(r['fp8_block'])} | {_fmt(r['fp8_tensor'])} | {_fmt(w, '.3f')}{wt} | "
-                     f"{_fmt(tr, '.3f')}{tt} |")
+                     f"{_fmt(tr, '.3f')}{tt} | {srcs} |")
+    if ablation:
+        lines += ["", "## Ablation: where the time goes (module docstring, 3a)", "",
+                  f"Copy rate of this GPU: {_fmt(copy_gbps)} GB/s (read + write). empty: every slot -1; hot: every "
+                  "token to experts 0..K-1; per expert = (balanced - hot) / (experts - K); stream = one expert's "
+                  "weight bytes over that; floor = experts x bytes over the copy rate.", "",
+                  "| T | fmt | balanced (us) | empty (us) | hot (us) | experts | per expert (us) | stream (GB/s) "
+                  "| empty / balanced | floor (us) | floor / balanced |",
+                  "|" + "---|" * 11]
+        for a in ablation:
+            of_floor = a["floor_us"] / a["us"] if a["floor_us"] else None
+            lines.append(f"| {a['T']} | {a['fmt']} | {_fmt(a['us'])} | {_fmt(a['empty_us'])} | {_fmt(a['hot_us'])} | "
+                         f"{_fmt(a['experts'], 'd')} | {_fmt(a['per_expert_us'], '.2f')} | "
+                         f"{_fmt(a['stream_gbps'])} | {_fmt(a['fixed_share'], '.2f')} | {_fmt(a['floor_us'])} | "
+                         f"{_fmt(of_floor, '.2f')} |")
+    if any(p["w4a8_k128_us"] or p["fp8_swap_us"] for p in pairs):
+        lines += ["", "## Ablation: one tile, two formats (module docstring, 3b)", "",
+                  "| C | T | W4A8 as resolved (tile) | W4A8, K 128 | FP8 swap-AB, W4A8's tile | FP8 as resolved (tile) "
+                  "| dequant: W4A8 K128 / FP8 swap-AB | order: FP8 swap-AB / FP8 |",
+                  "|" + "---|" * 8]
+        for p in pairs:
+            lines.append(f"| {p['capacity']} | {p['T']} | {_fmt(p['w4a8_us'])} ({p['w4a8_tile']}) | "
+                         f"{_fmt(p['w4a8_k128_us'])} | {_fmt(p['fp8_swap_us'])} ({p['fp8_swap_tile']}) | "
+                         f"{_fmt(p['fp8_us'])} ({p['fp8_tile']}{', swap-AB' if p['fp8_swap'] else ''}) | "
+                         f"{_fmt(p['dequant'], '.3f')} | {_fmt(p['order'], '.3f')} |")
     if reasons:
         lines += ["", "Unavailable: " + "; ".join(reasons)]
     failed = [r for r in results if not r["ok"]]
@@ -391,7 +598,8 @@ def report(results: List[Dict[str, Any]], out: Path, meta: Dict[str, Any]) -> st
             f"- {r['kind']} {r['fmt']} {r['geom']} C{r['capacity']}: {r.get('error', 'not run')}" for r in failed]
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
-    (out / "summary.json").write_text(json.dumps(dict(meta=meta, checks=checks, timing=table), indent=1, default=str))
+    (out / "summary.json").write_text(json.dumps(dict(meta=meta, checks=checks, timing=table, ablation=ablation,
+                                                      same_tile=pairs, copy_gbps=copy_gbps), indent=1, default=str))
     for name, rows in (("checks.csv", checks), ("timing.csv", table)):
         if rows:
             keys = sorted({k for r in rows for k in r if not isinstance(r.get(k), (list, dict))})
@@ -430,7 +638,7 @@ def _plot(table: List[Dict[str, Any]], path: Path) -> None:
             rx.plot(*zip(*tgt), "k:", drawstyle="steps-mid", alpha=0.5)
     rx.axhline(1.0, color="grey", lw=0.5)
     rx.set(xscale="log", xticks=ts, xticklabels=[str(t) for t in ts], xlabel="tokens per rank T",
-           ylabel="time ratio", title="ratios (dotted: #22 targets)")
+           ylabel="time ratio", title="ratios (dotted: #35 targets)")
     rx.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -455,20 +663,24 @@ def dry_run() -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     bad = 0
     for job in plan():
+        if job["kind"] == "copy":
+            print(f"{job['id']:3d} copy: the device-to-device copy rate")
+            continue
         reason = _unavailable(job["fmt"])
         if reason is not None:
             print(f"{job['id']:3d} {job['kind']:5s} {job['fmt']:10s} {job['geom']:5s} C{job['capacity']:<5d} "
                   f"T{job['tokens']}: unavailable ({reason[:60]}...)")
             continue
         try:
-            fe, knobs, source = _frontend(job["fmt"], job["geom"], job["capacity"], None, compile_only=True)
+            fe, knobs, source = _frontend(job["fmt"], job["geom"], job["capacity"], None, compile_only=True,
+                                          variant=job.get("variant"))
             desc = f"{source:9s} {knobs.mma_tiler_mnk} {knobs.cluster_shape_mnk} swap={knobs.swap_ab} " \
                    f"pp={knobs.pingpong} {type(fe.kernel).__name__}"
         except Exception as e:  # noqa: BLE001 - report every job, not only the first that fails
             bad += 1
             desc = f"REFUSED {type(e).__name__}: {e}"
         print(f"{job['id']:3d} {job['kind']:5s} {job['fmt']:10s} {job['geom']:5s} C{job['capacity']:<5d} "
-              f"T{job['tokens']}: {desc}")
+              f"T{job['tokens']} {'+'.join(job.get('routings', []))}: {desc}")
     return 1 if bad else 0
 
 
@@ -481,6 +693,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="start no new job after this long (running ones finish: keep ~2 min of headroom)")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--skip-ablation", action="store_true", help="no copy rate, routing variants or same-tile pairs")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -493,7 +706,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = _meta()
-    jobs = plan(check=not args.skip_checks, timing=not args.skip_timing)
+    jobs = plan(check=not args.skip_checks, timing=not args.skip_timing, ablation=not args.skip_ablation)
     workers = args.workers or max(1, min(6, (os.cpu_count() or 4) - 2))
     print(f"[w4a8] {len(jobs)} jobs on {meta['device']}, drop {meta['drop']} (verified {meta['drop_verified']}), "
           f"{workers} workers, budget {args.budget_s:.0f} s", flush=True)
@@ -528,7 +741,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             results[j["id"]] = dict(j, ok=False, error="not run: out of --budget-s")
     text = report([results[j["id"]] for j in jobs if j["id"] in results], out, meta)
     print(text, flush=True)
-    checks, _ = _flatten(list(results.values()))
+    checks = _flatten(list(results.values()))[0]
     failed = [c for c in checks if c.get("ok") is False or "error" in c]
     return 1 if failed else 0
 

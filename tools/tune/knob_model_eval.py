@@ -4,11 +4,14 @@ measured, from the tuner's own records (no GPU).
     python -m tools.tune.knob_model_eval                 (CPU; needs the sm90 tree for the heuristic and the
     bazel run //tools/tune:knob_model_eval                build check, as the tuner does)
 
-For every entry of the shipped table (shim/sm90/tables/h200.json) the times of up to five knob sets are on record:
+For every entry of the shipped table (shim/sm90/tables/h200.json) the times of up to six knob sets are on record:
   - the heuristic's (the entry's heuristic_us);
-  - world size 1: the tuner's measured winner ("wrote" in the log) and its three runners-up (the entry's
-    runners_up), whose times are the fastest, 2nd, 3rd and 4th of the candidates timed in stages 1-2 of that key
-    in benchmarks/h200/round2_0.7.4/tune/tune_*_w1.log and round 3's W4A8 tune.log (graph replays at T =
+  - world size 1, entries of the staged search (meta "search"): the winner, its three runners-up with their times
+    (runners_up_us) and the knob model's own choice for that key (model_us), all in the entry itself: a new entry
+    joins the evaluation with no change here;
+  - world size 1, older entries: the tuner's measured winner ("wrote" in the log) and its three runners-up (the
+    entry's runners_up), whose times are the fastest, 2nd, 3rd and 4th of the candidates timed in stages 1-2 of that
+    key in benchmarks/h200/round2_0.7.4/tune/tune_*_w1.log and round 3's W4A8 tune.log (graph replays at T =
     capacity; rounded to 1 us);
   - world size 2: every candidate of the collective tune (the entry's scores_us).
 Each entry is held out in turn, two ways: leave-capacity-out (the entries of its geometry and capacity at every
@@ -30,6 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from tools.tune.tune import short
+
 REPO = Path(__file__).resolve().parents[2]
 TABLE = REPO / "shim" / "sm90" / "tables" / "h200.json"
 # The world-size-1 tuner logs behind the shipped table's entries: round 2's FP8 and BF16 sweeps, round 3's W4A8.
@@ -42,19 +47,10 @@ _WROTE = re.compile(r"^\[tune\] (?P<model>\w+)/(?P<fmt>\w+)/C(?P<cap>\d+): wrote
 
 
 def _norm(knobs: Dict[str, Any]) -> str:
-    return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in knobs.items()}, sort_keys=True)
-
-
-def short(knobs: Dict[str, Any]) -> str:
-    m, n, _ = knobs["mma_tiler_mnk"]
-    c = knobs["cluster_shape_mnk"]
-    parts = [f"{'swap' if knobs['swap_ab'] else 'plain'} {m}x{n} c{c[0]}{c[1]}"]
-    if knobs.get("pingpong"):
-        parts.append("pp")
-    if knobs.get("tail_split_pairs"):
-        parts.append("tsp")
-    parts.append(f"g{knobs.get('group_hint')}")
-    return " ".join(parts)
+    """One text per knob set: a knob left None and a knob the record predates (written before it existed) are one
+    set, the kernel's default."""
+    return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in knobs.items() if v is not None},
+                      sort_keys=True)
 
 
 def _log_records(paths) -> Dict[Tuple[str, str, int], Dict[str, Any]]:
@@ -88,7 +84,14 @@ def candidate_times(table: Dict[str, Any], logs, heuristic) -> Dict[str, Dict[st
         times: Dict[str, float] = {}
         if meta.get("heuristic_us") is not None:
             times[_norm(heuristic(g.fmt, g.capacity))] = meta["heuristic_us"]
-        if g.world_size == 1:
+        if meta.get("runners_up_us") is not None:  # the staged search records its own times
+            if meta.get("measured_winner") is not None:
+                times.setdefault(_norm(meta["measured_winner"]), meta["measured_winner_us"])
+            for knobs, us in zip(meta["runners_up"], meta["runners_up_us"]):
+                times.setdefault(_norm(knobs), us)
+            if meta.get("model_choice") is not None and meta.get("model_us") is not None:
+                times.setdefault(_norm(meta["model_choice"]), meta["model_us"])
+        elif g.world_size == 1:
             model = by_geometry.get((g.hidden, g.intermediate, g.experts_per_rank, g.top_k))
             rec = logs.get((model, g.fmt, g.capacity))
             if rec and rec.get("winner") and rec["times"]:

@@ -2,27 +2,38 @@
 
     python -m tools.tune --models dsv3 --fmt fp8_block --capacities 8 32 128 512 2048 4096 \\
         --table shim/sm90/tables/h200.json [--workers 14] [--budget-s 480]
+    python -m tools.tune --preset issue35 --budget-s 300          (#35's device batch: the keys in value order)
+    python -m tools.tune --preset issue35 --dry-run [--compile N] (any host: the plan and its estimated time)
     bazel run //tools:tune -- ...     (the same, on a Hopper host)
     python -m tools.launch.launcher --nproc 2 --device cuda -- -m tools.tune --world-size 2 ...   (collective)
 
 World size 1: a pool of worker processes on the one GPU. Each compiles its candidate off the GPU (compiles take
 10-30 s each and dominate a sweep), then takes the GPU lock to load it and time it, so candidates are timed one
-at a time on an otherwise idle GPU while the next ones compile. Per (geometry, capacity): stage 1, the
-structural candidates (shim/sm90/tune.py: operand order, tile, cluster, ping-pong); stage 2, one scheduling
-knob at a time around the two best; candidates slower than 1.3x the best so far are cut after 5 replays; the
-winner is checked against the torch oracle (fresh inputs, its own format's tolerance) before it is written.
-The table is appended to as each capacity finishes (a slice of GPU time is never lost), and capacities already
-in it are skipped: rerun the same command to go on where a run stopped.
+at a time on an otherwise idle GPU while the next ones compile. Per (geometry, format, capacity), four stages
+(shim/sm90/tune.py): the structural candidates (operand order, tile, cluster, ping-pong; the key's shipped entry,
+the other FP8 format's entry and the knob model's choice among them), then one scheduling knob at a time around the
+two best, one exchange knob at a time around the best (dispatch warps, producer warps, FC1 store path, scheduler
+stages, dedup, pull buffer, W4A8's narrow tail), and the changes that did not hurt applied together. Candidates
+slower than 1.3x the best so far are cut after 5 replays. A candidate faster than every earlier one of its key is
+checked against the torch oracle at once (fresh inputs, its own format's tolerance): a key's best is always a
+checked one, and only a checked best is written.
+
+The keys run in the order given (a preset's is by value), a few at a time, the first ones' jobs first. After
+--budget-s nothing new starts; jobs in flight get --grace-s more, then their workers are ended. Each key's entry is
+written as the key finishes, or when the budget stops it (marked "complete": false); rerunning the same command
+skips the keys this search finished and tunes the rest again.
 
 World size > 1 (under tools.launch): every rank runs the collective autotune (the slowest rank decides) on a
 short list: the heuristic, the world-size-1 winner of the same geometry and capacity and its runners-up.
 
-Every entry records the heuristic's time measured in the same run, so tuned / heuristic is in the table.
+Every entry records the heuristic's time measured in the same run, so tuned / heuristic is in the table, and the
+times of its runners-up and of the knob model's choice (the knob model's evaluation reads them from there).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -46,13 +57,16 @@ DEFAULT_TABLE = Path(__file__).resolve().parents[2] / "shim" / "sm90" / "tables"
 
 # -- worker side ---------------------------------------------------------------------------------------------
 _W: Dict[str, Any] = {}
+# Kernel weights a worker keeps, per (model, fmt): two, so a worker moving between the formats of one geometry (the
+# preset interleaves them) does not quantize again each time. DeepSeek-V3's FP8 and W4A8 weights together are ~2 GB.
+WEIGHTS_KEPT = 2
 
 
 def _init_worker(lock, best) -> None:
     import torch
 
     torch.cuda.set_device(0)
-    _W.update(lock=lock, best=best, geometry=None)
+    _W.update(lock=lock, best=best, weights={})
 
 
 def _backend_name(fmt: str) -> str:
@@ -80,18 +94,21 @@ def _prepare(fmt: str, w13, w2, device):
 
 
 def _weights_for(model: str, fmt: str, capacity: int):
-    """(spec, context, kernel weights) of a geometry, built once per worker and geometry: the weight layout does
-    not depend on the knobs or the capacity."""
+    """(spec, context, kernel weights) of a geometry and format, built once per worker (the weight layout does not
+    depend on the knobs or the capacity); the least recently used is dropped past WEIGHTS_KEPT."""
     import torch
 
-    import moe_ep
     from moe_ep.core.dist import RankContext
     from tools.geometries import GEOMETRIES, spec_for
 
     spec = spec_for(model, capacity)
+    cache: Dict[Tuple[str, str], Any] = _W["weights"]
     key = (model, fmt)
-    if _W.get("geometry") != key:
-        _W.pop("kernel_weights", None)
+    if key in cache:
+        cache[key] = cache.pop(key)  # most recently used last
+    else:
+        while len(cache) >= WEIGHTS_KEPT:
+            cache.pop(next(iter(cache)))
         torch.cuda.empty_cache()
         g = GEOMETRIES[model]
         gen = torch.Generator(device="cuda").manual_seed(1)
@@ -100,17 +117,16 @@ def _weights_for(model: str, fmt: str, capacity: int):
         with _W["lock"]:
             w13 = torch.randn(e, 2 * i, h, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(h ** -0.5)
             w2 = torch.randn(e, h, i, generator=gen, device="cuda", dtype=torch.bfloat16).mul_(i ** -0.5)
-            kw = _prepare(fmt, w13, w2, torch.device("cuda", 0))
+            cache[key] = _prepare(fmt, w13, w2, torch.device("cuda", 0))
             del w13, w2
             torch.cuda.empty_cache()
-        _W.update(geometry=key, kernel_weights=kw, ctx=RankContext.detached(device=torch.device("cuda", 0)))
-    assert moe_ep
-    return spec, _W["ctx"], _W["kernel_weights"]
+    return spec, RankContext.detached(device=torch.device("cuda", 0)), cache[key]
 
 
 def run_job(job: Dict[str, Any]) -> Dict[str, Any]:
-    """One candidate: compile (off the GPU), then under the GPU lock load, time, and (kind "validate") check it
-    against the oracle."""
+    """One candidate: compile (off the GPU), then under the GPU lock load and time it; a candidate faster than every
+    one of its key timed so far is checked against the oracle right there (its compile is at hand), and becomes the
+    key's best only if it passes: whenever the budget stops a search, its best is a checked one."""
     import torch
 
     from shim.sm90.knobs import Sm90Knobs
@@ -133,9 +149,9 @@ def run_job(job: Dict[str, Any]) -> Dict[str, Any]:
             times, cut = time_frontend(fe, inputs, iters=30, quick=5, cutoff_us=CUT * best if best > 0 else math.inf)
             us = statistics.median(times)
             if not cut and (best <= 0 or us < best):
-                _W["best"][job["slot"]] = us
-            if job["kind"] == "validate":
-                out.update(_validate(fe, spec, job["fmt"]))
+                out.update(_validate(fe, spec, job["fmt"]), validated=True)
+                if out["oracle_ok"]:
+                    _W["best"][job["slot"]] = us
             torch.cuda.synchronize()
         out.update(ok=True, us=us, cut=cut, replays=len(times), compile_s=round(compiled_s, 1),
                    staging=getattr(fe, "staging", "torch"))
@@ -178,6 +194,33 @@ def _validate(fe, spec, fmt: str) -> Dict[str, Any]:
 
 
 # -- coordinator side ----------------------------------------------------------------------------------------
+# The search an entry was made by: a table entry made by an older search (or cut short by the budget) is tuned again
+# by the same command; one made by this search is skipped (a stopped run resumes where it stopped).
+SEARCH = "staged-4"
+STAGES = ("structural", "scheduling", "exchange", "combined")
+# Keys in flight at once: enough to keep the workers busy while one key waits on its stage's last job, few enough
+# that the first keys of the list finish first.
+ACTIVE_KEYS = 4
+
+# The device batch of issue #35 (one H200, ~9 minutes), most valuable first: the keys whose current default is
+# farthest from its target and that have no entry come first (W4A8 at 2048 / 4096: 1.15x blockwise FP8 against
+# <= 1.00, on the knob model's and the heuristic's knobs; per-tensor FP8 at 128 / 512 / 32: 1.14-1.59x on the
+# heuristic's), then the rest of DeepSeek-V3 by the same measure (per-tensor 2048 / 4096 against <= 0.85, W4A8 at
+# 8 / 32 / 128 against 0.60 / 0.60 / 0.75, re-tuned for the exchange knobs), then Qwen3-235B-A22B, Kimi-K2 and
+# GLM-4.5 at EP=8's local expert counts, decode sizes first. docs/tuning.md has the numbers behind the order.
+_OTHERS = [(m, f, c) for m in ("qwen3_235b_ep8", "kimi_k2_ep8", "glm45_ep8") for c in (8, 128, 2048, 32, 512, 4096)
+           for f in ("w4a8_mxfp4", "fp8_tensor")]
+PRESETS: Dict[str, List[Tuple[str, str, int]]] = {
+    "issue35": [("dsv3", "w4a8_mxfp4", 2048), ("dsv3", "w4a8_mxfp4", 4096), ("dsv3", "fp8_tensor", 128),
+                ("dsv3", "fp8_tensor", 512), ("dsv3", "w4a8_mxfp4", 512), ("dsv3", "fp8_tensor", 32),
+                ("dsv3", "fp8_tensor", 2048), ("dsv3", "fp8_tensor", 4096), ("dsv3", "w4a8_mxfp4", 8),
+                ("dsv3", "w4a8_mxfp4", 32), ("dsv3", "w4a8_mxfp4", 128), ("dsv3", "fp8_tensor", 8)] + _OTHERS,
+}
+# Seconds a candidate took on the H200 host in round 3's W4A8 tune (136 candidates of DeepSeek-V3 in 181 s on 12
+# workers: compile off the GPU in parallel, load and time under the lock): the dry run's estimate.
+SECONDS_PER_CANDIDATE = 181 / 136
+
+
 def _drop_identity() -> Tuple[str, str, bool]:
     from shim.common import tree
 
@@ -202,189 +245,375 @@ def _write_table(path: Path, data: Dict[str, Any]) -> None:
 
 
 class _Key:
-    """One (geometry, format, capacity) being tuned."""
+    """One (geometry, format, capacity) being tuned: its stage, its timed candidates and its checked best."""
 
     def __init__(self, slot: int, model: str, fmt: str, capacity: int, table_key: str, base_key: str):
         self.slot, self.model, self.fmt, self.capacity = slot, model, fmt, capacity
         self.table_key, self.base_key = table_key, base_key
-        self.stage = 1
+        self.stage = -1  # index into STAGES; len(STAGES) = done
         self.pending = 0
         self.results: List[Dict[str, Any]] = []
         self.heuristic = None
-        self.accepts = None
-        self.written = False  # its table entry was written (a key over budget finishes without one)
+        self.probe = None
+        self.seeds: List[Any] = []
+        self.model_choice = None  # the knob model's set for this key, when it has one (timed among the seeds)
+        self.signatures: set = set()
+        self.stage_best: Dict[str, Optional[float]] = {}
+        self.written = False
+        self.finished = False
+        self.complete = False  # every stage ran (False: the budget stopped it)
 
     def label(self) -> str:
         return f"{self.model}/{self.fmt}/C{self.capacity}"
 
-
-def _jobs(key: _Key, knobs_list, kind: str) -> List[Dict[str, Any]]:
-    return [dict(kind=kind, slot=key.slot, model=key.model, fmt=key.fmt, capacity=key.capacity, knobs=k.to_json(),
-                 stage=key.stage) for k in knobs_list]
+    def accepts(self, knobs) -> bool:
+        return self.probe(knobs) is not None
 
 
-def tune_world1(args) -> int:
-    import torch
+def _jobs(key: _Key, knobs_list, parents=None) -> List[Dict[str, Any]]:
+    return [dict(slot=key.slot, model=key.model, fmt=key.fmt, capacity=key.capacity, knobs=k.to_json(),
+                 stage=STAGES[key.stage], parent=None if parents is None else parents[n].to_json())
+            for n, k in enumerate(knobs_list)]
 
-    from shim.common.knob_cache import cache_key
-    from shim.common.knob_table import table_key
-    from shim.sm90.knobs import Sm90Knobs, heuristic_knobs
-    from shim.sm90.tune import build_check, scheduling_candidates, structural_candidates
+
+def _parent(knobs, bases):
+    """The base a later stage's candidate was derived from: the one it differs from in the fewest knobs."""
+    diff = lambda a, b: sum(1 for f in a.__dataclass_fields__ if getattr(a, f) != getattr(b, f))  # noqa: E731
+    return min(bases, key=lambda b: diff(knobs, b))
+
+
+def _ranked(key: _Key) -> List[Dict[str, Any]]:
+    """This key's timed candidates, fastest first (cut ones, failures and oracle failures out)."""
+    full = [r for r in key.results if r.get("ok") and not r.get("cut") and r.get("oracle_ok", True)]
+    return sorted(full, key=lambda r: r["us"])
+
+
+def _best_checked(key: _Key) -> Optional[Dict[str, Any]]:
+    checked = [r for r in key.results if r.get("ok") and r.get("validated") and r.get("oracle_ok")]
+    return min(checked, key=lambda r: r["us"]) if checked else None
+
+
+def _us_of(key: _Key, knobs_json) -> Optional[float]:
+    for r in key.results:
+        if r.get("ok") and not r.get("cut") and r["knobs"] == knobs_json:
+            return r["us"]
+    return None
+
+
+def stage_candidates(key: _Key, stage: str, limits: Dict[str, int]) -> List[Any]:
+    """The candidates of `stage` for `key`, from what its earlier stages measured (shim/sm90/tune.py); none that
+    the kernel would build into a program already timed for this key."""
+    from shim.sm90.knobs import Sm90Knobs
+    from shim.sm90.tune import (combined_candidates, exchange_candidates, scheduling_candidates,
+                                structural_candidates)
     from tools.geometries import spec_for
 
+    ranked = [Sm90Knobs.from_json(r["knobs"]) for r in _ranked(key)]
+    sig = key.probe
+    if stage == "structural":
+        cands = structural_candidates(key.fmt, spec_for(key.model, key.capacity), limit=limits[stage],
+                                      accepts=key.accepts, seeds=key.seeds)
+        out = []
+        for k in cands:  # the heuristic, seeds and the rest, each distinct program once
+            s = sig(k)
+            if s not in key.signatures:
+                key.signatures.add(s)
+                out.append(k)
+        return out, None
+    if not ranked:
+        return [], None
+    if stage == "scheduling":
+        bases = ranked[:2]
+        cands = scheduling_candidates(bases, limit=limits[stage], accepts=key.accepts, signature=sig,
+                                      exclude=key.signatures)
+    elif stage == "exchange":
+        bases = ranked[:1]
+        cands = exchange_candidates(bases, limit=limits[stage], accepts=key.accepts, signature=sig,
+                                    exclude=key.signatures)
+    else:
+        bases = ranked[:1]
+        # What each set of stages 2-3 that beat its own base changed from it, the biggest gains first: changes
+        # that helped one at a time may add up.
+        helped = []
+        for r in _ranked(key):
+            parent_us = _us_of(key, r["parent"]) if r.get("parent") else None
+            if r.get("stage") in ("scheduling", "exchange") and parent_us and r["us"] < parent_us:
+                k, parent = Sm90Knobs.from_json(r["knobs"]), Sm90Knobs.from_json(r["parent"])
+                helped.append((r["us"] / parent_us,
+                               {f: getattr(k, f) for f in k.__dataclass_fields__ if getattr(k, f) != getattr(parent, f)}))
+        changes = [c for _, c in sorted(helped, key=lambda h: h[0])]
+        cands = combined_candidates(ranked[0], changes, limit=limits[stage], accepts=key.accepts, signature=sig,
+                                    exclude=key.signatures)
+    key.signatures.update(sig(k) for k in cands)
+    return cands, [_parent(k, bases) for k in cands]
+
+
+def _seeds(key: _Key, table: Dict[str, Any], device: str, drop_sha: str) -> None:
+    """Stage 1's seeds: this key's shipped entry and its runners-up (a re-tune never loses the old winner: it is
+    timed in the same run), the other Hopper FP8-activation format's entry at the same geometry and capacity
+    (blockwise and per-tensor FP8 run one kernel class), and the knob model's choice (its time at this key is then
+    on record: the model's own check on a geometry no table covered)."""
+    from shim.common.knob_table import table_key
+    from shim.sm90 import knob_model
+    from shim.sm90.knobs import InvalidKnobsError, Sm90Knobs
+
+    jsons = []
+    for fmt in dict.fromkeys((key.fmt, "fp8_block", "fp8_tensor") if key.fmt != "w4a8_mxfp4" else (key.fmt,)):
+        entry = table["entries"].get(table_key(key.base_key.replace(f"/{key.fmt}/", f"/{fmt}/"), device, drop_sha))
+        if entry:
+            jsons += [entry["knobs"]] + list(entry["meta"].get("runners_up", []))[:2]
+    g = knob_model.parse_key(key.base_key)[1]
+    measured = [m for m in knob_model.measured_entries(table["entries"], device=device, drop_sha256=drop_sha)
+                if m.key.split("/dev=")[0] != key.base_key]
+    picked = knob_model.choose(g, measured, accepts=lambda kn: key.accepts(Sm90Knobs.from_json(kn)))
+    if picked is not None:
+        key.model_choice = Sm90Knobs.from_json(picked[0])
+        jsons.append(picked[0])
+    if key.fmt == "fp8_tensor":  # blockwise FP8's entries speak for the same kernel class at this geometry
+        picked = knob_model.choose(dataclasses.replace(g, fmt="fp8_block"), measured,
+                                   accepts=lambda kn: key.accepts(Sm90Knobs.from_json(kn)))
+        if picked is not None:
+            jsons.append(picked[0])
+    for j in jsons:
+        try:
+            k = Sm90Knobs.from_json(j).validate(key.fmt)
+        except InvalidKnobsError:
+            continue
+        if key.accepts(k) and k not in key.seeds:
+            key.seeds.append(k)
+
+
+def plan_keys(args, table: Dict[str, Any], device: str, drop_sha: str) -> Tuple[List[_Key], List[str]]:
+    """The keys to tune, in order, and a line for each key skipped (its entry made by this search already)."""
+    from shim.common.knob_cache import cache_key
+    from shim.common.knob_table import table_key
+    from tools.geometries import spec_for
+
+    if args.preset:
+        wanted = list(PRESETS[args.preset])
+    else:
+        wanted = [(m, f, c) for m in args.models for c in args.capacities for f in args.fmt]
+    keys: List[_Key] = []
+    skipped: List[str] = []
+    for model, fmt, cap in dict.fromkeys(wanted):
+        spec = spec_for(model, cap)
+        base = cache_key(arch="sm90", fmt=fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
+                         experts_per_rank=spec.num_experts, top_k=spec.top_k, world_size=1, max_tokens_per_rank=cap)
+        tk = table_key(base, device, drop_sha)
+        meta = table["entries"].get(tk, {}).get("meta", {})
+        if meta.get("search") == SEARCH and meta.get("complete") and not args.force:
+            skipped.append(f"{model}/{fmt}/C{cap}")
+            continue
+        keys.append(_Key(len(keys), model, fmt, cap, tk, base))
+    return keys, skipped
+
+
+def _prepare_key(key: _Key, table, device: str, drop_sha: str) -> None:
+    from shim.sm90.knobs import heuristic_knobs
+    from shim.sm90.tune import build_probe
+    from tools.geometries import spec_for
+
+    spec = spec_for(key.model, key.capacity)
+    key.heuristic = heuristic_knobs(key.fmt, key.capacity, hidden=spec.hidden_size,
+                                    intermediate=spec.intermediate_size)
+    cache: Dict[Any, Any] = {}
+    probe = build_probe(_frontend_cls(key.fmt), spec)
+
+    def cached(knobs):
+        if knobs not in cache:
+            cache[knobs] = probe(knobs)
+        return cache[knobs]
+
+    key.probe = cached
+    _seeds(key, table, device, drop_sha)
+
+
+def _process_pool(workers: int, lock, best):
+    ctxm = mp.get_context("spawn")
+    return ProcessPoolExecutor(workers, mp_context=ctxm, initializer=_init_worker, initargs=(lock, best))
+
+
+def tune_world1(args, *, device: Optional[str] = None, make_pool=None, run=None) -> int:
+    """The world-size-1 tune. device (the GPU's name), make_pool(workers, lock, best) and run (what a worker runs on
+    one candidate: run_job) are the GPU's by default; the CPU test gives its own."""
     version, drop_sha, verified = _drop_identity()
     if not verified:
         print("tools.tune: the kernel tree is not a verified pinned drop; a table made on it would be keyed to no "
               "drop. Point MOE_EP_SM90_TREE at a clean extraction of the pinned wheel.", file=sys.stderr)
         return 2
-    device = torch.cuda.get_device_name(0)
+    if device is None:
+        import torch
+
+        device = torch.cuda.get_device_name(0)
+    make_pool = make_pool or _process_pool
+    run = run or run_job
     table_path = Path(args.table)
     table = _load_table(table_path)
-    keys: List[_Key] = []
-    for model in args.models:
-        for cap in args.capacities:
-            spec = spec_for(model, cap)
-            base = cache_key(arch="sm90", fmt=args.fmt, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
-                             experts_per_rank=spec.num_experts, top_k=spec.top_k, world_size=1,
-                             max_tokens_per_rank=cap)
-            tk = table_key(base, device, drop_sha)
-            if tk in table["entries"] and not args.force:
-                print(f"[tune] {model}/{args.fmt}/C{cap}: in the table already, skipped", flush=True)
-                continue
-            keys.append(_Key(len(keys), model, args.fmt, cap, tk, base))
+    keys, skipped = plan_keys(args, table, device, drop_sha)
+    for label in skipped:
+        print(f"[tune] {label}: in the table already (search {SEARCH}), skipped", flush=True)
     if not keys:
         return 0
+    limits = dict(zip(STAGES, (args.stage1, args.stage2, args.stage3, args.stage4)))
     ctxm = mp.get_context("spawn")
     lock = ctxm.Lock()
     best = ctxm.Array("d", [0.0] * len(keys))
     started = time.perf_counter()
-    done_jobs, total_jobs = 0, 0
-    workers = args.workers or max(1, min(12, (os.cpu_count() or 4) - 2))
-    print(f"[tune] {len(keys)} key(s) on {device}, drop {version} ({drop_sha[:12]}), {workers} workers", flush=True)
-    pools = [ProcessPoolExecutor(workers, mp_context=ctxm, initializer=_init_worker, initargs=(lock, best))]
-    try:
-        futures = {}
+    workers = args.workers or max(1, min(14, (os.cpu_count() or 4) - 2))
+    print(f"[tune] {len(keys)} key(s) on {device}, drop {version} ({drop_sha[:12]}), {workers} workers, "
+          f"budget {args.budget_s:.0f} s (+{args.grace_s:.0f} s for jobs in flight)", flush=True)
+    pools = [make_pool(workers, lock, best)]
+    queue: List[Tuple[int, int, Dict[str, Any]]] = []  # (key slot, sequence, job): the first keys' jobs go first
+    inflight: Dict[Any, Tuple[_Key, Dict[str, Any]]] = {}
+    counter = [0, 0]  # jobs queued, jobs back
+    waiting = list(keys)
+    active: List[_Key] = []
 
-        def submit(key: _Key, jobs, count: bool = True):
-            nonlocal total_jobs
-            for j in jobs:
-                futures[pools[-1].submit(run_job, j)] = (key, j)
-                if count:
-                    key.pending += 1
-                    total_jobs += 1
+    def over() -> bool:
+        return time.perf_counter() - started > args.budget_s
 
-        def result(fut, job) -> Dict[str, Any]:
-            """A worker that died (a CUDA fault, the OOM killer) takes its job with it: that job is recorded as
-            failed, the pool is replaced and the jobs still in flight are submitted to the new one."""
-            try:
-                return fut.result()
-            except BrokenProcessPool as e:
-                if not pools[-1]._broken:  # already replaced for an earlier future of the same crash
-                    return dict(job, ok=False, error=f"worker died: {e}")
-                print(f"[tune] a worker died ({e}); restarting the pool", flush=True)
-                pools.append(ProcessPoolExecutor(workers, mp_context=ctxm, initializer=_init_worker,
-                                                 initargs=(lock, best)))
-                for other in [f for f in futures if f is not fut]:
-                    k2, j2 = futures.pop(other)
-                    submit(k2, [j2], count=False)
-                return dict(job, ok=False, error=f"worker died: {e}")
+    def enqueue(key: _Key, knobs_list, parents=None) -> None:
+        for j in _jobs(key, knobs_list, parents):
+            counter[0] += 1
+            queue.append((key.slot, counter[0], j))
+            key.pending += 1
+        queue.sort(key=lambda q: (q[0], q[1]))
 
-        def advance(key: _Key, last: Optional[Dict[str, Any]]) -> None:
-            """Move a key whose jobs are all back to its next stage (several, if a stage has nothing to run)."""
-            while key.pending == 0 and key.stage < 4:
-                over = time.perf_counter() - started > args.budget_s
-                if key.stage == 1 and not over:
-                    key.stage = 2
-                    base = [Sm90Knobs.from_json(r["knobs"]) for r in _ranked(key)[:2]]
-                    submit(key, _jobs(key, scheduling_candidates(base, limit=args.stage2, accepts=key.accepts),
-                                      "time"))
-                elif key.stage == 2 and not over and _ranked(key):
-                    key.stage = 3
-                    submit(key, _jobs(key, [Sm90Knobs.from_json(_ranked(key)[0]["knobs"])], "validate"))
-                elif key.stage == 3 and last is not None and last["kind"] == "validate":
-                    key.stage = 4
-                    key.written = _record(table, table_path, key, last, device, version, drop_sha)
-                else:
-                    key.stage = 4  # over budget (or nothing ran): finished, nothing written
+    def fill() -> None:
+        while queue and len(inflight) < workers and not over():
+            _, _, j = queue.pop(0)
+            inflight[pools[-1].submit(run, j)] = (keys[j["slot"]], j)
 
-        # Geometries one after another (each worker holds one geometry's weights at a time), capacities together.
-        for model in args.models:
-            group = [k for k in keys if k.model == model]
-            for key in group:
-                spec = spec_for(key.model, key.capacity)
-                key.heuristic = heuristic_knobs(key.fmt, key.capacity, hidden=spec.hidden_size,
-                                                intermediate=spec.intermediate_size)
-                key.accepts = build_check(_frontend_cls(key.fmt), spec)
-                submit(key, _jobs(key, structural_candidates(key.fmt, spec, limit=args.stage1, accepts=key.accepts),
-                                  "time"))
-                advance(key, None)
-            while futures and any(k.stage < 4 for k in group):
-                finished, _ = wait(list(futures), return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    if fut not in futures:
-                        continue
-                    key, job = futures.pop(fut)
-                    r = result(fut, job)
-                    key.pending -= 1
-                    done_jobs += 1
-                    key.results.append(r)
-                    _progress(key, r, done_jobs, total_jobs, started)
-                    advance(key, r)
-            if time.perf_counter() - started > args.budget_s:
+    def advance(key: _Key) -> None:
+        """A key whose jobs are all back moves to its next stage (past any stage with nothing to run)."""
+        while key.pending == 0 and key.stage < len(STAGES):
+            if key.stage >= 0:
+                ranked = _ranked(key)
+                key.stage_best[STAGES[key.stage]] = ranked[0]["us"] if ranked else None
+            if over():
                 break
+            key.stage += 1
+            if key.stage < len(STAGES):
+                enqueue(key, *stage_candidates(key, STAGES[key.stage], limits))
+        if key.pending == 0 and (key.stage >= len(STAGES) or over()):
+            key.complete = key.stage >= len(STAGES)
+            finish(key)
+
+    def finish(key: _Key) -> None:
+        if key.finished:
+            return
+        key.finished = True
+        if key in active:
+            active.remove(key)
+        if 0 <= key.stage < len(STAGES):  # cut short: what its current stage has reached so far
+            ranked = _ranked(key)
+            key.stage_best[STAGES[key.stage]] = ranked[0]["us"] if ranked else None
+        key.written = _record(table, table_path, key, device, version, drop_sha, started)
+        activate()
+
+    def activate() -> None:
+        while waiting and len(active) < args.active_keys and not over():
+            key = waiting.pop(0)
+            _prepare_key(key, table, device, drop_sha)
+            active.append(key)
+            advance(key)
+
+    def result(fut, job) -> Dict[str, Any]:
+        """A worker that died (a CUDA fault, the OOM killer) takes its job with it: that job is recorded as failed,
+        the pool is replaced and the jobs still in flight are queued again."""
+        try:
+            return fut.result()
+        except BrokenProcessPool as e:
+            if not pools[-1]._broken:  # already replaced for an earlier future of the same crash
+                return dict(job, ok=False, error=f"worker died: {e}")
+            print(f"[tune] a worker died ({e}); restarting the pool", flush=True)
+            pools.append(make_pool(workers, lock, best))
+            for other in [f for f in inflight if f is not fut]:
+                k2, j2 = inflight.pop(other)
+                counter[0] += 1
+                queue.insert(0, (k2.slot, counter[0], j2))
+            return dict(job, ok=False, error=f"worker died: {e}")
+
+    try:
+        activate()
+        fill()
+        hard = args.budget_s + args.grace_s
+        while inflight:
+            left = hard - (time.perf_counter() - started)
+            if left <= 0:
+                break
+            finished, _ = wait(list(inflight), timeout=min(left, 30), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                if fut not in inflight:
+                    continue
+                key, job = inflight.pop(fut)
+                r = result(fut, job)
+                key.pending -= 1
+                counter[1] += 1
+                key.results.append(r)
+                _progress(key, r, counter[1], counter[0], started)
+                advance(key)
+            fill()
+            if over():
+                # Nothing new starts; what is queued will not run. Keys whose jobs are all back are finished now.
+                for _, _, j in queue:
+                    keys[j["slot"]].pending -= 1
+                queue.clear()
+                for key in list(active):
+                    if key.pending == 0:
+                        finish(key)
     finally:
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+        for p in pools:
+            # Workers still compiling at the hard deadline are ours: end them by id rather than wait.
+            for proc in list(getattr(p, "_processes", {}).values()):
+                if proc.is_alive():
+                    proc.terminate()
+            p.shutdown(wait=False, cancel_futures=True)
+    for key in list(active):  # stopped at the hard deadline with jobs in flight: what is checked is written
+        if not key.finished:
+            key.finished = True
+            key.written = _record(table, table_path, key, device, version, drop_sha, started)
     written = [k for k in keys if k.written]
     left = [k.label() for k in keys if not k.written]
+    partial = [k.label() for k in keys if k.written and not k.complete]
     print(f"[tune] done in {time.perf_counter() - started:.0f} s; {len(written)} written"
-          + (f"; not written (budget, or the winner failed its oracle check): {left} -- rerun to go on"
-             if left else ""), flush=True)
+          + (f" ({len(partial)} cut short by the budget: {partial})" if partial else "")
+          + (f"; not written (not reached, or no checked winner): {left} -- rerun to go on" if left else ""),
+          flush=True)
+    summary(keys)
     return 0
-
-
-def _ranked(key: _Key) -> List[Dict[str, Any]]:
-    """This key's timed candidates, fastest first (cut ones and failures last / out)."""
-    full = [r for r in key.results if r.get("ok") and not r.get("cut") and r["kind"] == "time"]
-    return sorted(full, key=lambda r: r["us"])
-
-
-def _heuristic_us(key: _Key) -> Optional[float]:
-    h = key.heuristic.to_json() if key.heuristic is not None else None
-    for r in key.results:
-        if r.get("ok") and r["knobs"] == h and r["kind"] == "time":
-            return r["us"]
-    return None
 
 
 def _progress(key: _Key, r: Dict[str, Any], done: int, total: int, started: float) -> None:
     elapsed = time.perf_counter() - started
-    left = elapsed / max(done, 1) * max(total - done, 0)
     ranked = _ranked(key)
     what = (f"{r['us']:.0f} us{' (cut)' if r.get('cut') else ''}" if r.get("ok")
             else f"rejected: {r.get('error', '?')[:90]}")
-    if r["kind"] == "validate":
+    if r.get("validated"):
         what += f", oracle {'ok' if r.get('oracle_ok') else 'FAILED'} (rel L2 {r.get('oracle_rel_l2', float('nan')):.2e})"
     best = f"{ranked[0]['us']:.0f}" if ranked else "-"
-    print(f"[tune {elapsed:5.0f}s, ~{left:4.0f}s left of the queued] {key.label()} stage {key.stage}: {what}; "
-          f"best {best} us; {done}/{total}", flush=True)
+    print(f"[tune {elapsed:5.0f}s] {key.label()} {r['stage']}: {what}; best {best} us; {done}/{total} back "
+          f"({r.get('seconds', '?')} s)", flush=True)
 
 
-def _record(table, path: Path, key: _Key, validated: Dict[str, Any], device: str, version: str, sha: str) -> bool:
-    """Writes the key's entry (True), or says why not (False)."""
-    ranked = _ranked(key)
-    heur = _heuristic_us(key)
-    if not validated.get("ok") or not validated.get("oracle_ok"):
-        print(f"[tune] {key.label()}: the winner failed its oracle check, nothing written: "
-              f"{validated.get('oracle_problems') or validated.get('error')}", flush=True)
+def _record(table, path: Path, key: _Key, device: str, version: str, sha: str, started: float) -> bool:
+    """Writes the key's entry from its checked best (True), or says why not (False)."""
+    checked = _best_checked(key)
+    if checked is None:
+        failed = [r for r in key.results if r.get("validated") and not r.get("oracle_ok")]
+        why = (f"its fastest failed the oracle: {failed[0].get('oracle_problems')}" if failed
+               else "nothing timed" if not key.results else "no candidate checked")
+        print(f"[tune] {key.label()}: nothing written ({why})", flush=True)
         return False
-    winner = validated["knobs"]
-    tuned_us = min(r["us"] for r in ranked if r["knobs"] == winner)
+    heur = _us_of(key, key.heuristic.to_json())
+    winner, tuned_us = checked["knobs"], checked["us"]
     kept = heur is not None and tuned_us > KEEP_HEURISTIC * heur
     if kept:
         # Within run-to-run noise of the heuristic (the H200 varies ~5% between runs at large T): keep the drop's
         # own choice, so the tuned layer is never the slower one side by side.
         winner, tuned_us = key.heuristic.to_json(), heur
+    ranked = [r for r in _ranked(key) if r["knobs"] != winner]
+    model_us = _us_of(key, key.model_choice.to_json()) if key.model_choice is not None else None
     table["entries"][key.table_key] = {
         "knobs": winner,
         "meta": {"tuned_us": round(tuned_us, 1), "heuristic_us": None if heur is None else round(heur, 1),
@@ -392,14 +621,104 @@ def _record(table, path: Path, key: _Key, validated: Dict[str, Any], device: str
                  "date": datetime.date.today().isoformat(), "candidates": len(key.results),
                  "cut": sum(1 for r in key.results if r.get("cut")),
                  "rejected": sum(1 for r in key.results if not r.get("ok")),
-                 "oracle_rel_l2": validated.get("oracle_rel_l2"), "geometry_key": key.base_key,
-                 "kept_heuristic": kept,
-                 "runners_up": [r["knobs"] for r in ranked[1:4]]},
+                 "oracle_rel_l2": checked.get("oracle_rel_l2"), "geometry_key": key.base_key,
+                 "kept_heuristic": kept, "measured_winner": checked["knobs"],
+                 "measured_winner_us": round(checked["us"], 1),
+                 "runners_up": [r["knobs"] for r in ranked[:3]],
+                 "runners_up_us": [round(r["us"], 1) for r in ranked[:3]],
+                 "model_choice": None if key.model_choice is None else key.model_choice.to_json(),
+                 "model_us": None if model_us is None else round(model_us, 1),
+                 "stage_best_us": {s: (None if v is None else round(v, 1)) for s, v in key.stage_best.items()},
+                 "search": SEARCH, "complete": key.complete},
     }
     _write_table(path, table)
-    print(f"[tune] {key.label()}: wrote {winner} ({tuned_us:.0f} us, heuristic "
-          f"{'?' if heur is None else f'{heur:.0f}'} us)", flush=True)
+    print(f"[tune {time.perf_counter() - started:5.0f}s] {key.label()}: wrote {winner} ({tuned_us:.0f} us, "
+          f"heuristic {'?' if heur is None else f'{heur:.0f}'} us{', search cut short' if not key.complete else ''})",
+          flush=True)
     return True
+
+
+def summary(keys: List[_Key]) -> None:
+    """One line per key: heuristic, best after each stage, what was written."""
+    print("| key | heuristic (us) | " + " | ".join(STAGES) + " | written (us) | tuned / heuristic | model (us) |")
+    print("|" + "---|" * (len(STAGES) + 5))
+    for key in keys:
+        if key.stage < 0:
+            print(f"| {key.label()} | not reached |" + " |" * (len(STAGES) + 3))
+            continue
+        heur = _us_of(key, key.heuristic.to_json())
+        checked = _best_checked(key)
+        cells = [f"{key.stage_best[s]:.0f}" if key.stage_best.get(s) else "-" for s in STAGES]
+        w = checked["us"] if key.written and checked else None
+        ratio = f"{w / heur:.2f}" if w and heur else "-"
+        model_us = _us_of(key, key.model_choice.to_json()) if key.model_choice is not None else None
+        print(f"| {key.label()} | {'-' if heur is None else f'{heur:.0f}'} | " + " | ".join(cells)
+              + f" | {'-' if w is None else f'{w:.0f}'} | {ratio} | {'-' if model_us is None else f'{model_us:.0f}'} |",
+              flush=True)
+
+
+def dry_run(args) -> int:
+    """The plan on any host (no GPU): every key in order, its seeds and stage-1 list from the kernel's constructor,
+    the stage 2-4 counts as if stage 1's first candidate won, and the time the whole list would take on the H200
+    host at round 3's rate; nothing is compiled unless --compile N (the first N candidates of the first key, with
+    cute.compile on this CPU: CUTE_DSL_ARCH=sm_90a)."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    version, drop_sha, verified = _drop_identity()
+    device = args.device_name
+    table = _load_table(Path(args.table))
+    keys, skipped = plan_keys(args, table, device, drop_sha)
+    limits = dict(zip(STAGES, (args.stage1, args.stage2, args.stage3, args.stage4)))
+    total = 0
+    print(f"[tune dry run] drop {version} ({drop_sha[:12]}, verified {verified}), table keys for {device!r}; "
+          f"{len(keys)} key(s), {len(skipped)} skipped ({skipped})")
+    first = []
+    for key in keys:
+        _prepare_key(key, table, device, drop_sha)
+        counts = []
+        for n, stage in enumerate(STAGES):
+            key.stage = n
+            cands, parents = stage_candidates(key, stage, limits)
+            counts.append(len(cands))
+            first = first or [(key, k) for k in cands]
+            # As if each stage's first candidate won by 1% and the rest helped a little.
+            key.results += [dict(ok=True, us=100.0 - n - (i == 0) - i / 1000, knobs=k.to_json(), stage=stage,
+                                 parent=None if parents is None else parents[i].to_json())
+                            for i, k in enumerate(cands)]
+        total += sum(counts)
+        seeds = ", ".join(short(k.to_json()) for k in key.seeds) or "none"
+        print(f"  {key.label():36s} candidates per stage {counts} = {sum(counts):2d}; seeds: {seeds}", flush=True)
+    per = SECONDS_PER_CANDIDATE
+    print(f"[tune dry run] {total} candidates; at {per:.2f} s each (round 3 on the H200 host, 12 workers) "
+          f"~{total * per:.0f} s: --budget-s {args.budget_s:.0f} reaches ~{int(args.budget_s / per)} of them, in "
+          "this order")
+    from moe_ep.core.dist import RankContext
+    from tools.geometries import spec_for
+
+    for key, k in first[:args.compile]:
+        t0 = time.perf_counter()
+        fe = _frontend_cls(key.fmt)(spec_for(key.model, key.capacity), RankContext.detached(0, 1), k,
+                                    compile_only=True)
+        fe.build_compiled()
+        print(f"  compiled {key.label()} {short(k.to_json())} on this CPU in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    return 0
+
+
+def short(knobs: Dict[str, Any]) -> str:
+    """A knob set in a few words: operand order, tile, cluster, ping-pong, tail-split pairs, group_hint, and any
+    exchange knob it sets."""
+    from shim.sm90.knobs import EXCHANGE_KNOBS
+
+    m, n, _ = knobs["mma_tiler_mnk"]
+    c = knobs["cluster_shape_mnk"]
+    parts = [f"{'swap' if knobs['swap_ab'] else 'plain'} {m}x{n} c{c[0]}{c[1]}"]
+    if knobs.get("pingpong"):
+        parts.append("pp")
+    if knobs.get("tail_split_pairs"):
+        parts.append("tsp")
+    parts.append(f"g{knobs.get('group_hint')}")
+    parts += [f"{name}={knobs[name]}" for name in EXCHANGE_KNOBS if knobs.get(name) is not None]
+    return " ".join(parts)
 
 
 def tune_collective(args) -> int:
@@ -503,26 +822,45 @@ def _check_collective_winner(moe_ep, spec, weights, fmt: str, knobs, ctx) -> Dic
     return {"ok": bool(report.ok), "rel_l2": mine.rel_l2_err, "max_row_rel": mine.max_row_rel_err}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     from shim.sm90.formats import BACKENDS
 
     ap = argparse.ArgumentParser(prog="python -m tools.tune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["dsv3"])
-    ap.add_argument("--fmt", default="fp8_block", choices=BACKENDS.fmts)
+    ap.add_argument("--fmt", nargs="+", default=["fp8_block"], choices=BACKENDS.fmts)
     ap.add_argument("--capacities", nargs="+", type=int, default=[8, 32, 128, 512, 2048, 4096])
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a list of (model, format, capacity) keys, in order; "
+                                                              "replaces --models / --fmt / --capacities")
     ap.add_argument("--table", default=str(DEFAULT_TABLE))
     ap.add_argument("--workers", type=int, default=0, help="compile workers (default: cores - 2, at most 14)")
-    ap.add_argument("--stage1", type=int, default=14, help="structural candidates per capacity")
-    ap.add_argument("--stage2", type=int, default=8, help="scheduling candidates per capacity")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="stop starting new work after this long")
+    ap.add_argument("--stage1", type=int, default=8, help="structural candidates per key")
+    ap.add_argument("--stage2", type=int, default=5, help="scheduling candidates per key")
+    ap.add_argument("--stage3", type=int, default=8, help="exchange candidates per key")
+    ap.add_argument("--stage4", type=int, default=2, help="combined candidates per key")
+    ap.add_argument("--active-keys", type=int, default=ACTIVE_KEYS, help="keys searched at once")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="start nothing new after this long")
+    ap.add_argument("--grace-s", type=float, default=45.0, help="then wait this long for jobs in flight")
     ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--force", action="store_true", help="tune keys already in the table again")
+    ap.add_argument("--force", action="store_true", help="tune keys this search finished already again")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (no GPU)")
+    ap.add_argument("--compile", type=int, default=0, help="with --dry-run: cute.compile this many candidates here")
+    ap.add_argument("--device-name", default="NVIDIA H200", help="with --dry-run: the GPU whose table keys to read")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
     from tools.require import local_gpu, require
 
     require("tune", "cuda", first=local_gpu(), arch="sm90", backend="sm90_fp8_cutedsl", argument=None,
             arch_argument=None)
     if args.world_size > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.preset or len(args.fmt) != 1:
+            ap.error("the collective tune takes one --fmt and no --preset")
+        args.fmt = args.fmt[0]
         return tune_collective(args)
     return tune_world1(args)

@@ -19,9 +19,10 @@ One concern a module, imported in this order (no module imports one below it):
   alarm     the ranks' sequences through the store: published, compared, the alarm and its report
   ring      the process-wide ring of calls in flight and their confirmation
   monitor   the monitor and heartbeat threads, the deadlines, the trip
-  watches   Watch (begin / end: the hot path), watch(), watch_layer()
+  watches   Watch (begin / end: the hot path), watch(), layer_identity(), layer_watch()
 
-Ranks out of step: every collective call of a group (a layer's forward, a collective watch's call) is logged as
+Ranks out of step: every collective call of a group (a layer's forward, timer or not; a collective watch's call) is
+logged as
 (layer, its call number) at the group's collective call number; the heartbeats publish digests of the logs and
 the monitor compares them with a peer's, so a rank that skips a call, makes one more or calls another layer is
 named with the first call where the ranks part (exit 86). A backend whose exchange can carry the fingerprint
@@ -31,8 +32,9 @@ named with the first call where the ranks part (exit 86). A backend whose exchan
 from moe_ep.core.watchdog.bound import (DEFAULT_BASE_S, DEFAULT_FACTOR, FIRST_CALL_S, HEARTBEAT_S, POLL_S,
                                         TIMEOUT_ENV, WATCHDOG_EXIT_CODE, Bound, parse_timeout)
 from moe_ep.core.watchdog.verdict import PeerState, classify_peers, format_message
-from moe_ep.core.watchdog.watches import Watch, watch, watch_layer
+from moe_ep.core.watchdog.watches import Watch, keep_sequences, layer_identity, layer_watch, watch
 
 __all__ = ["WATCHDOG_EXIT_CODE", "TIMEOUT_ENV", "DEFAULT_BASE_S", "DEFAULT_FACTOR", "FIRST_CALL_S", "POLL_S",
-           "HEARTBEAT_S", "Bound", "parse_timeout", "Watch", "watch", "watch_layer", "PeerState",
+           "HEARTBEAT_S", "Bound", "parse_timeout", "Watch", "watch", "layer_identity", "layer_watch",
+           "keep_sequences", "PeerState",
            "classify_peers", "format_message"]

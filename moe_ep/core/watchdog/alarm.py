@@ -13,7 +13,6 @@ process, whichever of a stalled call and a divergence is seen first.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Dict, Optional, Tuple
 
@@ -22,14 +21,13 @@ from moe_ep.core.watchdog import divergence, sequence, store, verdict
 
 __all__ = ["SEQUENCE_ENV", "DETAILS_S", "enabled", "checkpoints", "watch_sequences", "out_of_step", "report"]
 
-SEQUENCE_ENV = "MOE_EP_SEQUENCE_CHECK"  # "0": the heartbeats carry no digests and nothing compares them
 DETAILS_S = 3.0     # how long a rank that reports a divergence waits for every member's calls
 DETAIL_CAP = 4096   # calls published before the first checkpoint that differs, at most
 DETAIL_AFTER = 16   # ... and after it (to tell a skipped call from an extra one)
 
 
-def enabled() -> bool:
-    return os.environ.get(SEQUENCE_ENV, "1").strip() != "0"
+SEQUENCE_ENV = sequence.SEQUENCE_ENV  # "0": nothing is logged, so the heartbeats carry no digests
+enabled = sequence.enabled
 
 
 def _alarm_key(lg) -> str:

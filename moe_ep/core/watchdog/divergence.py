@@ -163,27 +163,30 @@ def error(f: Finding, *, names: Dict[int, str], text: str) -> RankDivergenceErro
 def in_band(log, mine: Tuple[int, int, int], rows: Sequence[Sequence[int]]) -> None:
     """A backend that carried every rank's fingerprint (identity, call number, group call) in its exchange: raise
     RankDivergenceError on every rank when they differ, before this call returns anything, and refuse every later
-    call of the group. Zeros (a rank whose call is not watched) compare with nothing."""
+    call of the group. Zeros are a call that logs nothing (a layer built with its sequence check off, on every rank
+    alike): zeros on every rank agree, zeros against a fingerprint are ranks in different layers."""
     m = list(mine)
-    if not m[0] or all(list(row) == m for row in rows):  # in step (or not watched here): the hot path's case
+    if all(list(row) == m for row in rows):  # in step: the hot path's case
         return
     rows = [tuple(int(v) for v in row) for row in rows]
-    if any(not row[0] for row in rows):
+    if not any(row[0] for row in rows):
         return
+    names = dict(log.names)
+    names.setdefault(0, "a layer with its sequence check off")
     entries = {r: (row[2], [row[0]], [row[1]]) for r, row in enumerate(rows)}
     calls = {row[2] for row in rows}
     if len(calls) > 1:  # the ranks count different group calls: compare what each is in now, side by side
         entries = {r: (0, [row[0]], [row[1]]) for r, row in enumerate(rows)}
-    f = analyze(entries, -1, log.names)
+    f = analyze(entries, -1, names)
     f.call = max(calls) if len(calls) > 1 else f.call
-    seen = "; ".join(f"rank {r}{' (this rank)' if r == log.group_rank else ''} is in {_call(log.names, row[:2])} "
+    seen = "; ".join(f"rank {r}{' (this rank)' if r == log.group_rank else ''} is in {_call(names, row[:2])} "
                      f"(group call {row[2]})" for r, row in enumerate(rows))
-    layers = ", ".join(repr(_name(log.names, c)) for c in f.layers)
+    layers = ", ".join(repr(_name(names, c)) for c in f.layers)
     text = (f"the ranks of the group of global ranks [{', '.join(str(r) for r in log.ranks)}] fell out of step: "
             f"{seen}. Out of step: {_ranks(f.out)} (against rank {f.ref_rank}); layers involved: {layers}. Seen in "
             "the exchange before any output of this call was returned; every later call of this group raises this "
             "error (the ranks cannot be put back in step: rebuild the group or restart the job).")
-    err = error(f, names=log.names, text=text)
-    err.seen = {r: (log.name_of(row[0]), row[1], row[2]) for r, row in enumerate(rows)}
-    log.diverged = err
+    err = error(f, names=names, text=text)
+    err.seen = {r: (_name(names, row[0]), row[1], row[2]) for r, row in enumerate(rows)}
+    log.mark(err)
     raise err

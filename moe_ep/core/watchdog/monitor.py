@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from moe_ep.core.watchdog import alarm, events, store, verdict
+from moe_ep.core.watchdog import alarm, events, sequence, store, verdict
 from moe_ep.core.watchdog.bound import HEARTBEAT_S, POLL_S, STORE_TIMEOUT_S
 from moe_ep.core.watchdog.ring import DEVICE, Ring, _monotonic
 
@@ -42,16 +42,46 @@ class Monitor(Ring):
         self.last_poll = _monotonic()
         self.beat = 0
         self.store_error: Optional[str] = None
+        self.store_lost: Optional[str] = None  # the heartbeat gave the store up for good (its host is gone)
         self.threads_started = False
         self.stop = threading.Event()
         self.threads: List[threading.Thread] = []
         self.with_threads = threads  # False: a test drives confirm() / check_deadlines() itself
         self.compare_sequences = alarm.enabled()
         self.answered: set = set()  # groups whose alarm this process answered after raising in the exchange
+        # Checks a backend adds (the kernels' call guard): each returns None, or (the group's log or None, the
+        # message) for ranks found out of step where no forward could raise it (a caller's graph replays).
+        self.probes: List[object] = []
+
+    def add_probe(self, probe) -> None:
+        with self.lock:
+            self.probes.append(probe)
+        self.ensure_threads()
+
+    def check_probes(self) -> None:
+        for probe in list(self.probes):
+            found = probe()
+            if found is None:
+                continue
+            lg, text = found
+            with self.lock:
+                if self.tripped:
+                    return
+                self.tripped = True
+            if lg is not None:
+                lg.halting = True  # nothing of the group runs on this rank from here on
+            verdict.emit(text.rstrip("\n") + "\n  Ranks out of step cannot be put back in step from the host: this "
+                         "process ends now (exit code 86).\n")
+            verdict.end()
 
     def add(self, w) -> None:
         with self.lock:
             self.watches.append(w)
+        self.ensure_threads()
+
+    def ensure_threads(self) -> None:
+        """Start both threads (once): with the first watch, or the first layer whose calls are logged."""
+        with self.lock:
             start = self.with_threads and not self.threads_started
             self.threads_started = self.threads_started or start
         if start:
@@ -103,15 +133,20 @@ class Monitor(Ring):
                 self.check_deadlines(_monotonic())
             except Exception as e:  # noqa: BLE001
                 report("monitor (deadlines)", e)
+            try:
+                self.check_probes()
+            except Exception as e:  # noqa: BLE001
+                report("monitor (probes)", e)
             self.last_poll = _monotonic()
             self.stop.wait(POLL_S)
 
     def _heartbeat_loop(self) -> None:
         conn, failures = None, 0
         while not self.stop.is_set():
-            # Beats while a watch is open and the process group lives (after destroy_process_group, or once
-            # every layer is closed, a peer may already be gone with the store: nothing to say any more).
-            if failures < 3 and self.watches and dist.is_available() and dist.is_initialized():
+            # Beats while a watch or a logged layer is open and the process group lives (after
+            # destroy_process_group, or once every layer is closed, a peer may already be gone with the store).
+            if failures < 3 and not self.store_lost and (self.watches or any(lg.live for lg in sequence.logs())) \
+                    and dist.is_available() and dist.is_initialized():
                 try:
                     if conn is None:
                         conn = store.connect()
@@ -124,6 +159,8 @@ class Monitor(Ring):
                     # c10d logs every failed store call with a stack: after a broken connection, stop for good.
                     self.store_error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                     failures = 3 if isinstance(e, getattr(dist, "DistNetworkError", ())) else failures + 1
+                    if failures >= 3:
+                        self.store_lost = self.store_error
             # The monitor thread is stuck (e.g. in a driver call): decide from what it last confirmed.
             if _monotonic() - self.last_poll > max(2.0, 10 * POLL_S):
                 try:

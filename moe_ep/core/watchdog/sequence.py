@@ -9,7 +9,10 @@ share one workspace; the torch reference shares the group's collectives): a rank
 pairs its next call, to layer 2, with its peers' layer-1 call. It is per group, not per process, because a
 process's groups are separate streams of calls that other processes see in other orders.
 
-The hot path (Watch.begin) writes two array slots and three attributes: no lock, no allocation, no store.
+The hot path (Caller.enter: every layer call, and every call of a collective watch) writes two array slots and
+three attributes: no lock, no allocation, no store. It does not depend on the watchdog's timer: a layer built with
+timeout_s=0, or a call made with layer.watched = False, is logged all the same (the sequence check has its own
+switch, $MOE_EP_SEQUENCE_CHECK=0 or MoELayer(sequence_check=False), agreed across ranks when a layer is built).
 The monitor's heartbeat thread digests the log (a chain of blake2b hashes over blocks of BLOCK calls) and
 publishes checkpoints: the digest after each of the last FINE calls, after the last MID block ends and after the
 last COARSE multiples of COARSE_EVERY. Two ranks compare the checkpoints they both have: digests are chained, so
@@ -29,7 +32,17 @@ import torch.distributed as dist
 
 from moe_ep.core.errors import RankDivergenceError
 
-__all__ = ["LOG", "LOG_MASK", "BLOCK", "GroupLog", "log_for", "logs", "group_key", "group_ranks"]
+__all__ = ["LOG", "LOG_MASK", "BLOCK", "SEQUENCE_ENV", "GroupLog", "Caller", "log_for", "logs", "group_key",
+           "group_ranks", "enabled"]
+
+SEQUENCE_ENV = "MOE_EP_SEQUENCE_CHECK"  # "0": no layer logs its calls; nothing compares them (docs/watchdog.md)
+
+
+def enabled() -> bool:
+    """The process-wide default of the sequence check ($MOE_EP_SEQUENCE_CHECK, on unless "0")."""
+    import os
+
+    return os.environ.get(SEQUENCE_ENV, "1").strip() != "0"
 
 LOG = 1 << 16          # calls kept in memory per group (the digest must read them before they are overwritten)
 LOG_MASK = LOG - 1
@@ -55,12 +68,12 @@ class GroupLog:
         self.seq = 0               # collective calls begun: call s (1-based) sits at index (s - 1) & LOG_MASK
         self.codes = array("q", bytes(8 * LOG))
         self.calls = array("q", bytes(8 * LOG))
-        self.cur = None            # the watch of the newest call (the in-band fingerprint reads it)
+        self.cur = None            # (identity, call, group call) of the call in progress (the in-band fingerprint)
         self.diverged: Optional[RankDivergenceError] = None  # set: every later call of the group is refused
         self.halting = False       # ... by waiting for the watchdog to end the process, rather than raising
         self.names: Dict[int, str] = {}
         self._count = [0, 0]       # layers, collective watches made in this group
-        self.open = 0              # watches open on it: a log none is open on is neither published nor compared
+        self.open = 0              # callers open on it: a log none is open on is neither published nor compared
         self._lock = threading.Lock()
         # the digest (heartbeat thread only)
         self.hashed = 0
@@ -95,11 +108,8 @@ class GroupLog:
     # the in-band fingerprint -----------------------------------------------------------------------------------
     def fingerprint(self) -> Tuple[int, int, int]:
         """(identity, its call number, group call number) of the collective call in progress on this process, or
-        zeros when none is (the caller's watch is off or paused): what a backend may carry in its exchange."""
-        w = self.cur
-        if w is None or w.returned >= w.started:
-            return (0, 0, 0)
-        return (w.code, w.started, self.seq)
+        zeros when none is (a layer built with the sequence check off): what a backend carries in its exchange."""
+        return self.cur or (0, 0, 0)
 
     def refuse(self) -> None:
         """A call of a group that fell out of step (begin() calls this)."""
@@ -109,6 +119,11 @@ class GroupLog:
             # call may run. Should it fail to end the process, the call raises after HALT_S.
             threading.Event().wait(HALT_S)
         raise type(err)(err.argument, err.detail, ranks=err.ranks, call=err.call, layers=err.layers, seen=err.seen)
+
+    def mark(self, err: RankDivergenceError) -> None:
+        """The group fell out of step (seen in an exchange, or on the device): every later call raises err."""
+        if self.diverged is None:
+            self.diverged = err
 
     # the digest (heartbeat thread) -----------------------------------------------------------------------------
     def digest(self) -> Dict[int, str]:
@@ -173,6 +188,39 @@ class GroupLog:
             codes.append(self.codes[j])
             calls.append(self.calls[j])
         return first, codes, calls
+
+
+class Caller:
+    """One layer's (or collective watch's) place in its group's log: its identity and its call count. enter() logs a
+    call (the hot path); leave() says the call is over (the fingerprint reads zeros again). Made once per layer,
+    whether or not its watchdog's timer is on."""
+
+    __slots__ = ("log", "code", "calls", "closed")
+
+    def __init__(self, log: GroupLog, code: int):
+        self.log, self.code, self.calls, self.closed = log, code, 0, False
+        log.opened(1)
+
+    def enter(self) -> None:
+        lg = self.log
+        if lg.diverged is not None:
+            lg.refuse()
+        n = self.calls + 1
+        self.calls = n
+        s = lg.seq
+        j = s & LOG_MASK
+        lg.codes[j] = self.code
+        lg.calls[j] = n
+        lg.seq = s + 1
+        lg.cur = (self.code, n, s + 1)
+
+    def leave(self) -> None:
+        self.log.cur = None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.log.opened(-1)
 
 
 def _group_name(group) -> str:

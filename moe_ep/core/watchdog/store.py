@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -52,13 +53,31 @@ def store_address() -> Optional[Tuple[str, int]]:
     return None
 
 
+def _accepts(addr: Tuple[str, int], timeout_s: float = 1.0) -> bool:
+    """Whether the store's host serves connections (a plain socket: c10d's own client retries a refused connection
+    for its whole timeout and logs each try with a C++ stack). A live store waits for its client to speak first; a
+    dying one's socket may still accept, then closes it at once."""
+    try:
+        with socket.create_connection(addr, timeout=timeout_s) as s:
+            s.settimeout(0.05)
+            try:
+                return s.recv(1) != b""
+            except socket.timeout:
+                return True
+    except OSError:
+        return False
+
+
 def connect():
     """A store client of the watchdog's own (its own connection and timeout) on the default group's store, or
-    the default store itself when it is not a TCPStore; None without a process group."""
+    the default store itself when it is not a TCPStore; None without a process group. A store whose host refuses
+    connections (it is gone) is a ConnectionRefusedError at once."""
     if not _initialized():
         return None
     addr = store_address()
     if addr is not None:
+        if not _accepts(addr):
+            raise ConnectionRefusedError(f"nothing accepts connections at {addr[0]}:{addr[1]}")
         client = dist.TCPStore(addr[0], addr[1], is_master=False, wait_for_workers=False,
                                timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         return dist.PrefixStore(PREFIX, client)

@@ -1,4 +1,4 @@
-"""One watched thing: a layer (watch_layer), or a caller's own calls (moe_ep.watch), e.g. the replay of a CUDA graph
+"""One watched thing: a layer (layer_watch), or a caller's own calls (moe_ep.watch), e.g. the replay of a CUDA graph
 that captured moe_ep forwards.
 
 How, per call (hot path; no allocation of device memory, no store round trip, no host sync):
@@ -24,7 +24,7 @@ from moe_ep.core.watchdog.bound import Bound, parse_timeout
 from moe_ep.core.watchdog.ring import DEVICE, FREE, HOST, MASK, RING, Ring
 from moe_ep.core.watchdog.sequence import LOG_MASK, GroupLog, group_ranks, log_for
 
-__all__ = ["Watch", "Off", "watch", "watch_layer"]
+__all__ = ["Watch", "Off", "watch", "layer_identity", "layer_watch", "keep_sequences"]
 
 
 class Watch:
@@ -78,7 +78,7 @@ class Watch:
             lg.codes[j] = self.code
             lg.calls[j] = n
             lg.seq = s + 1
-            lg.cur = self
+            lg.cur = (self.code, n, s + 1)
         self.started = n
         m = self._m
         if m.depth:  # nested in a watched call (or another thread's): the outer one covers it
@@ -100,6 +100,8 @@ class Watch:
         """The call returned on the host. On CUDA its device work is followed through one event recorded on the
         current stream (one driver call, no sync); on CPU it is over."""
         self.returned = self.started
+        if self._log is not None:
+            self._log.cur = None
         if g < 0:
             return
         m = self._m
@@ -129,6 +131,8 @@ class Watch:
             self._m.state[g & MASK] = FREE
             self._m.depth = 0
         self.returned = self.started
+        if self._log is not None:
+            self._log.cur = None
 
     def __enter__(self):
         self._slot = self.begin()
@@ -181,18 +185,33 @@ def _unique(name: str) -> str:
     return name if k == 1 else f"{name} ({k})"
 
 
-def watch_layer(name: Optional[str], bound: Optional[Bound], group, device) -> Tuple[str, Optional[Watch]]:
-    """(the layer's name, its Watch or None when the watchdog is off). Default names count layers in creation
-    order ("moe_ep layer #1", ...), the same on every rank since layers are built collectively."""
+def layer_identity(name: Optional[str], group) -> Tuple[str, int, Optional[GroupLog]]:
+    """(the layer's name, its position: its creation index among the group's layers (0 for a group of one), the
+    group's log or None for a group of one). Default names count layers in creation order ("moe_ep layer #1", ...),
+    the same on every rank since layers are built collectively. Taken before the layer's construction agreement and
+    whatever it decides, so that names and positions stay aligned across ranks."""
     with _names_lock:
         _layer_count[0] += 1
         k = _layer_count[0]
-    name = _unique(name if name else f"moe_ep layer #{k}")
-    ranks, me = group_ranks(group)
-    log, code = _sequence(group, name, False)  # taken with the watchdog off too: codes stay aligned
+    name = _unique(name if isinstance(name, str) and name else f"moe_ep layer #{k}")
+    log = log_for(group)
+    code = log.new_code(name) if log is not None else 0
+    return name, code, log
+
+
+def layer_watch(name: str, bound: Optional[Bound], group, device) -> Optional[Watch]:
+    """The layer's timer (None when the watchdog is off). The layer logs its calls in the group's sequence itself
+    (sequence.Caller), timer or not."""
     if bound is None:
-        return name, None
-    return name, Watch(name, bound, ranks, me, device, log=log, code=code)
+        return None
+    ranks, me = group_ranks(group)
+    return Watch(name, bound, ranks, me, device)
+
+
+def keep_sequences() -> None:
+    """A layer logs its calls in a group of two ranks or more: the heartbeat publishes and compares them even when no
+    timer runs (a backend that carries no fingerprint in its exchange relies on it)."""
+    monitor_.get().ensure_threads()
 
 
 def _sequence(group, name: str, collective_watch: bool):

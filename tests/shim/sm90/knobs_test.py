@@ -176,8 +176,8 @@ def test_stage_two_changes_one_scheduling_knob_at_a_time():
     cands = scheduling_candidates([base], limit=20)
     assert cands and base not in cands
     for c in cands:
-        changed = [f for f in ("group_hint", "token_back_mode", "tail_split_pairs", "flag_batch", "epi_flag_batch")
-                   if getattr(c, f) != getattr(base, f)]
+        changed = [f for f in ("group_hint", "token_back_mode", "tail_split_pairs", "flag_batch", "epi_flag_batch",
+                               "load_balance_mode") if getattr(c, f) != getattr(base, f)]
         assert len(changed) == 1, changed
         assert all(getattr(c, f) == getattr(base, f) for f in CORRECTNESS_KNOBS if f not in changed)
 
@@ -220,6 +220,43 @@ def test_the_in_layer_autotune_lays_the_weights_out_once(monkeypatch, tmp_path):
                                    cache=KnobCache(str(tmp_path / "c.json")), progress=False)
     assert events == [("layout", 2), ("adopt", 1, ("laid out", "W"))]
     assert winner.flag_batch == 1 and result.kernel_weights == ("laid out", "W")
+
+
+def test_exchange_knobs_default_to_the_kernel_and_are_checked_per_kernel():
+    from shim.sm90.knobs import InvalidKnobsError, heuristic_knobs
+
+    base = heuristic_knobs("w4a8_mxfp4", 2048)
+    assert base.exchange_kwargs() == {}  # None everywhere: the kernel's defaults, what every old entry built
+    k = base.replace(active_dispatch_warps=2, mxfp4_fc2_tail_n8=True)
+    assert k.validate("w4a8_mxfp4").exchange_kwargs() == {"active_dispatch_warps": 2, "mxfp4_fc2_tail_n8": True}
+    with pytest.raises(InvalidKnobsError) as e:  # FP8's kernel has no narrow MXFP4 tail
+        heuristic_knobs("fp8_block", 2048).replace(mxfp4_fc2_tail_n8=True).validate("fp8_block")
+    assert e.value.knob == "mxfp4_fc2_tail_n8"
+    with pytest.raises(InvalidKnobsError) as e:  # nor BF16's any exchange knob
+        heuristic_knobs("bf16", 2048).replace(dedup_dispatch=True).validate("bf16")
+    assert e.value.knob == "dedup_dispatch"
+    for bad in (dict(active_dispatch_warps=3), dict(active_dispatch_warps=True), dict(num_sched_stages=2.0),
+                dict(compact_pull_buffer=1)):
+        with pytest.raises(InvalidKnobsError) as e:
+            base.replace(**bad).validate("w4a8_mxfp4")
+        assert e.value.knob == next(iter(bad))
+
+
+def test_the_exchange_stage_reaches_every_exchange_knob_and_value_of_each_kernel():
+    from shim.sm90.knobs import EXCHANGE_KNOBS, KNOB_SPACE, heuristic_knobs
+    from shim.sm90.tune import EXCHANGE_DEFAULTS, exchange_candidates
+
+    for fmt in ("w4a8_mxfp4", "fp8_block"):
+        base = heuristic_knobs(fmt, 2048)
+        space, default = KNOB_SPACE[base.kernel], dict(EXCHANGE_DEFAULTS[base.kernel])
+        cands = exchange_candidates([base], limit=100)
+        for name in EXCHANGE_KNOBS:
+            if name not in space:
+                continue
+            want = {v for v in space[name] if v != default[name]}
+            assert {getattr(c, name) for c in cands} - {None} >= want, (fmt, name)
+        # One change at a time: a candidate sets only the knobs of one EXCHANGE_VARIANTS entry.
+        assert all(1 <= len(c.exchange_kwargs()) <= 3 for c in cands)
 
 
 def test_correctness_and_perf_knobs_partition_the_knob_set():
