@@ -36,20 +36,38 @@ def expect_scales(t: torch.Tensor, name: str, file: Optional[str] = None, positi
     return t
 
 
+# Values checked at a time: the checks' temporaries stay a fraction of a MiB, inside the loader's memory bound.
+_CHUNK = 1 << 18
+
+
+def _count(t: torch.Tensor, bad) -> tuple:
+    """(how many elements of t `bad` flags, up to 4 of them), over chunks of the flattened tensor."""
+    flat = t.reshape(-1)
+    n, first = 0, []
+    for i in range(0, flat.numel(), _CHUNK):
+        part = flat[i:i + _CHUNK]
+        mask = bad(part)
+        k = int(mask.sum())
+        if k:
+            n += k
+            if len(first) < 4:
+                first += part[mask][:4 - len(first)].float().tolist()
+    return n, first
+
+
 def expect_codes(t: torch.Tensor, name: str, file: Optional[str] = None) -> torch.Tensor:
     """e4m3 codes a checkpoint can mean: no NaN (bytes 0x7f / 0xff; e4m3fn has no infinity)."""
-    bad = (t.view(torch.uint8) & 0x7F) == 0x7F
-    if bool(bad.any()):
-        raise CheckpointError(name, f"holds {int(bad.sum())} e4m3 NaN codes (0x7f / 0xff): a damaged weight", file)
+    n, _ = _count(t.view(torch.uint8), lambda b: (b & 0x7F) == 0x7F)
+    if n:
+        raise CheckpointError(name, f"holds {n} e4m3 NaN codes (0x7f / 0xff): a damaged weight", file)
     return t
 
 
 def expect_finite(t: torch.Tensor, name: str, file: Optional[str] = None) -> torch.Tensor:
     """Weight values a checkpoint can mean: finite."""
-    bad = ~torch.isfinite(t)
-    if bool(bad.any()):
-        raise CheckpointError(name, f"holds {int(bad.sum())} NaN or infinite values (e.g. "
-                                    f"{t[bad].flatten()[:4].tolist()}): a damaged weight", file)
+    n, first = _count(t, lambda v: ~torch.isfinite(v))
+    if n:
+        raise CheckpointError(name, f"holds {n} NaN or infinite values (e.g. {first}): a damaged weight", file)
     return t
 
 
