@@ -154,6 +154,7 @@ def _convert_gpt_oss(fmt, t, out, offset):
 def _convert_gpt_oss_bf16(fmt, t, out, offset):
     from moe_ep.checkpoint.report import ExactnessReport
 
+    convert_fp4.check_biases(t.get("gate_up_bias"), t.get("down_bias"))
     w13, w2 = convert_bf16.gpt_oss_bf16(t["gate_up"], t["down"], out=out)
     extras = convert_fp4.GptOssExtras(
         None if t.get("gate_up_bias") is None else torch.cat((t["gate_up_bias"][:, 0::2], t["gate_up_bias"][:, 1::2]),

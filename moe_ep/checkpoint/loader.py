@@ -23,7 +23,7 @@ import torch
 from moe_ep.checkpoint.conventions import STEM, Convention, Role, detect, get_convention, scalar_ok
 from moe_ep.checkpoint.files import SafetensorsFiles
 from moe_ep.checkpoint.report import ExactnessReport
-from moe_ep.checkpoint.tensors import new_pack, scrub
+from moe_ep.checkpoint.tensors import expect_scales, new_pack, scrub
 from moe_ep.core.errors import CheckpointError, FormatError, InexactCheckpointError, WorldSizeError
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.formats import format_violations
@@ -215,6 +215,8 @@ class Checkpoint:
             if role.layer_wide:
                 names = [plan.name(role, x) for x in range(plan.num_experts)]
                 vals = self.files.read(names)
+                for n in names:  # each checked where it is stored: the largest alone would hide or blur the damage
+                    expect_scales(vals[n], n, self.files.where(n))
                 out[role.key] = torch.stack([vals[n].reshape(()).to(torch.float32) for n in names]).max().reshape(1)
                 del vals
         return out

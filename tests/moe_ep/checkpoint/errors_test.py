@@ -233,10 +233,77 @@ def test_nan_codes_are_damage_named_with_their_file(tmp_path):
 
 
 def test_gpt_oss_reports_say_bf16_cannot_hold_values_only_for_bf16(tmp_path):
-    synth.write(tmp_path, "gpt_oss_mxfp4")
+    """Scales spanning more binades than w4a8_mxfp4 carries: that load changes values, and its report says why in
+    its own words, not "bf16 cannot hold" (which the loader said for every format that changed a value)."""
+    name = f"{STEM}.down_proj_scales"
+    scales = synth.tensors("gpt_oss_mxfp4")[name].clone()
+    scales[2, :, 0] = 127 - 20  # 2^-20 blocks next to ~2^-5 ones in expert 2: beyond the kernel's window
+    synth.write(tmp_path, "gpt_oss_mxfp4", edit={name: scales})
     ck = checkpoint.Checkpoint(tmp_path)
-    for fmt in ("w4a8_mxfp4", "mxfp8"):
-        assert not any("bf16" in n for n in ck.load_experts(1, fmt=fmt, allow_inexact=True).report.notes), fmt
+    w4 = ck.load_experts(1, fmt="w4a8_mxfp4", allow_inexact=True).report
+    assert w4.changed > 0 and any("w4a8_mxfp4 carries" in n for n in w4.notes), w4.notes
+    for fmt in ("w4a8_mxfp4", "mxfp8", "bf16"):  # mxfp8 and bf16 hold every e2m1 x e8m0 value: nothing to say
+        r = ck.load_experts(1, fmt=fmt, allow_inexact=True).report
+        assert not any("bf16" in n for n in r.notes) and (fmt == "w4a8_mxfp4") == (r.changed > 0), (fmt, r.notes)
+
+
+def _nan_code(t):
+    t.view(torch.uint8).view(-1)[1] = 0x7F
+
+
+def _set(v):
+    def damage(t):
+        t.view(-1)[1] = v
+    return damage
+
+
+NAN, INF = float("nan"), float("inf")
+MIXTRAL = "model.layers.1.block_sparse_moe.experts"
+
+
+@pytest.mark.parametrize("conv, name, damage", [
+    ("deepseek_fp8", f"{STEM}.2.up_proj.weight_scale_inv", _set(NAN)),
+    ("deepseek_fp8", f"{STEM}.2.gate_proj.weight_scale_inv", _set(-1.0)),
+    ("modelopt_fp8", f"{STEM}.2.gate_proj.weight_scale", lambda t: t.fill_(INF)),
+    ("modelopt_fp8", f"{STEM}.2.down_proj.weight", _nan_code),
+    ("modelopt_fp8", f"{STEM}.2.up_proj.input_scale", lambda t: t.fill_(NAN)),  # layer-wide: read for every expert
+    ("modelopt_nvfp4", f"{STEM}.2.gate_proj.weight_scale", _nan_code),
+    ("modelopt_nvfp4", f"{STEM}.2.down_proj.weight_scale_2", lambda t: t.fill_(INF)),
+    ("modelopt_nvfp4", f"{STEM}.2.up_proj.weight_scale_2", lambda t: t.fill_(-2.0)),
+    ("modelopt_nvfp4", f"{STEM}.3.gate_proj.input_scale", lambda t: t.fill_(-INF)),
+    ("gpt_oss_mxfp4", f"{STEM}.down_proj_scales", _set(255)),
+    ("gpt_oss_mxfp4", f"{STEM}.gate_up_proj_bias", _set(NAN)),  # biases travel with the weights (extras)
+    ("hf_bf16", f"{STEM}.2.down_proj.weight", _set(INF)),
+    ("mixtral_bf16", f"{MIXTRAL}.2.w1.weight", _set(NAN)),
+    ("hf_fused_bf16", f"{STEM}.gate_up_proj", _set(-INF)),
+], ids=lambda v: v if isinstance(v, str) and "." not in v else None)
+def test_a_damaged_value_in_any_convention_names_its_tensor_and_file(tmp_path, conv, name, damage):
+    """NaN / inf / negative scales, NaN codes, non-finite weights and biases: a CheckpointError naming the damaged
+    tensor and the shard that holds it (allow_inexact: the damage, not an inexact scale elsewhere, is what fails)."""
+    t = synth.tensors(conv)[name].clone()
+    damage(t)
+    synth.write(tmp_path, conv, edit={name: t})
+    shard = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"][name]
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.Checkpoint(tmp_path).load_experts(1, allow_inexact=True)
+    assert type(e.value) is CheckpointError and e.value.tensor == name and e.value.file == str(tmp_path / shard)
+
+
+def test_gpt_oss_bf16_biases_are_checked_like_weights(tmp_path):
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    from moe_ep.testing import hf_matrix
+
+    hf_matrix.tiny_model("gpt_oss").save_pretrained(tmp_path)
+    name = "model.layers.1.mlp.experts.down_proj_bias"
+    file = next(f for f in tmp_path.glob("*.safetensors") if name in load_file(str(f)))
+    tensors = load_file(str(file))
+    tensors[name][3, 5] = INF
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="NaN or infinite") as e:
+        checkpoint.Checkpoint(tmp_path).load_experts(1)
+    assert e.value.tensor == name and e.value.file == str(file)
 
 
 if __name__ == "__main__":
