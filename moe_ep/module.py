@@ -189,6 +189,8 @@ def _check_values(name: str, t: torch.Tensor) -> None:
             expect_codes(t, name)
         elif t.is_floating_point():
             expect_finite(t, name)
+        elif t.dtype == torch.uint8 and bool((t > 15).any()):  # e2m1 codes one a byte (docs/api.md's packs)
+            raise CheckpointError(name, f"holds {int((t > 15).sum())} bytes above 15: not e2m1 codes (one a byte)")
     elif t.dtype == getattr(torch, "float8_e8m0fnu", None):
         if bool((t.view(torch.uint8) == 255).any()):
             raise CheckpointError(name, "holds the e8m0 NaN code 255")

@@ -105,6 +105,28 @@ def test_a_state_with_damaged_values_is_refused_before_the_layer_changes(group, 
         assert m.layer is layer and torch.equal(m(x, idx, w), want)
 
 
+@pytest.mark.parametrize("fmt, field, damage", [
+    ("bf16", "w2_q", lambda t: t.view(-1).__setitem__(1, float("inf"))),
+    ("bf16", "w13_q", lambda t: t.view(-1).__setitem__(1, float("nan"))),
+    ("mxfp8", "w13_scale", lambda t: t.view(torch.uint8).view(-1).__setitem__(1, 255)),  # the e8m0 NaN code
+    ("mxfp8", "w2_q", lambda t: t.view(torch.uint8).view(-1).__setitem__(1, 0xFF)),
+    ("w4a8_mxfp4", "w2_scale", lambda t: t.view(torch.uint8).view(-1).__setitem__(1, 255)),
+    ("w4a8_mxfp4", "w13_q", lambda t: t.view(-1).__setitem__(1, 16)),  # one e2m1 code a byte: 0..15
+])
+def test_damaged_values_are_refused_in_every_format(group, fmt, field, damage):
+    spec = moe_ep.MoESpec(H, I, E, K, C)
+    with moe_ep.MoEModule(spec, _weights(0), fmt=fmt) as m:
+        x, idx, w = _inputs()
+        want = m(x, idx, w)
+        sd = {k: v.clone() for k, v in m.state_dict().items()}
+        damage(sd[field])
+        layer = m.layer
+        with pytest.raises(moe_ep.CheckpointError) as e:
+            m.load_state_dict(sd)
+        assert e.value.argument == field
+        assert m.layer is layer and torch.equal(m(x, idx, w), want)
+
+
 def test_a_zero_scale_state_loads(group):
     spec = moe_ep.MoESpec(H, I, E, K, C)
     with moe_ep.MoEModule(spec, _weights(0), fmt="fp8_block") as m:
