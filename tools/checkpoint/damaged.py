@@ -38,6 +38,7 @@ CASES = {
     "code_nan_ff": ("an e4m3 NaN code (0xff) in the last expert's gate_proj.weight", "CheckpointError"),
     "bad_offsets": ("the data offsets of the last expert's up_proj.weight in its shard's header", "CheckpointError"),
     "truncated": ("the last expert's shard cut short (its last tensors' bytes missing)", "CheckpointError"),
+    "bias": ("a down_proj.bias added to the last expert (a tensor the layer would not compute)", "CheckpointError"),
     "duplicate": ("a shard copied under another name and the index removed (every tensor of it twice)",
                   "CheckpointError"),
 }
@@ -67,6 +68,17 @@ def damage(root: str, case: str, desc: dict) -> Dict[str, str]:
             t.view(-1)[-1] = {"scale_nan": float("nan"), "scale_inf": float("inf"), "scale_negative": -1e-3}[case]
         tensors[name] = t
         save_file(tensors, str(file))
+        return dict(tensor=name, file=str(file))
+    if case == "bias":
+        name = f"{last}.down_proj.bias"
+        shard = wm[f"{last}.down_proj.weight"]
+        file = root_p / shard
+        tensors = load_file(str(file))
+        tensors[name] = torch.ones(desc["hidden"], dtype=torch.bfloat16)
+        save_file(tensors, str(file))
+        index = json.loads((root_p / "model.safetensors.index.json").read_text())
+        index["weight_map"][name] = shard
+        (root_p / "model.safetensors.index.json").write_text(json.dumps(index))
         return dict(tensor=name, file=str(file))
     if case == "bad_offsets":
         name = f"{last}.up_proj.weight"
