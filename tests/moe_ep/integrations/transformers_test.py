@@ -218,8 +218,12 @@ def test_a_forward_that_needs_a_gradient_is_refused(group, compiled):
         else:
             with pytest.raises(moe_ep.IntegrationError, match="needs a gradient") as e:
                 model(ids, labels=ids).loss.backward()
+            with pytest.raises(moe_ep.IntegrationError, match="needs a gradient"):
+                model(ids)  # a plain forward under grad mode: the parameters require grad, so the hidden states do
             with torch.no_grad():
                 assert torch.isfinite(model(ids).logits).all()
+            model.requires_grad_(False)  # nothing left to differentiate: runs under grad mode
+            assert torch.isfinite(model(ids).logits).all()
         assert e.value.argument == "model.layers.0.mlp.experts"
         assert all(p.grad is None for p in model.parameters())
     finally:
