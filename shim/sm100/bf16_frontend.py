@@ -31,7 +31,7 @@ class Sm100Bf16Frontend(Sm100Frontend):
         ks = self.symbols()
         return dict(token_padding_block=int(ks.EpilogueTokenTile), ab_dtype=cutlass.BFloat16, local_rank=self.rank,
                     token_back_by_dispatch=knobs.token_back_by_dispatch, generate_c=False, use_stg_fc1=False,
-                    apply_topk_in_fc1=True)
+                    apply_topk_in_fc1=True, fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce)
 
     def input_buffers(self):
         # The per-(token, slot) terms live in the kernel's shared workspace (0.7.4); only activations here.

@@ -45,16 +45,22 @@ class Sm100Frontend(MegaMoEFrontend):
         return kernel_symbols
 
     def kernel_kwargs(self, knobs: Sm100Knobs) -> Dict[str, Any]:
+        import cutlass
+
+        # Every argument named (those moe_ep does not expose at drop 0.7.4's defaults), so that the drop audit can
+        # call a new parameter with a default a break until the shim says which value it wants. The in-kernel
+        # reduce's own name (the row's reduce_kwarg) is passed literally by each format.
         return dict(
             mma_tiler_mnk=knobs.mma_tiler_mnk, cluster_shape_mnk=knobs.cluster_shape_mnk,
             use_2cta_instrs=knobs.use_2cta_instrs, group_hint=knobs.group_hint or self.max_active_clusters,
             load_balance_mode=knobs.load_balance_mode, static_expert_shape=self.static_expert_shape(),
-            world_size=self.world_size, num_topk=self.top_k, max_tokens_per_rank=self.max_tokens_per_rank,
-            hidden=self.hidden_size, token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch,
-            flag_batch=knobs.flag_batch, gate_up_clamp=self.spec.gate_up_clamp,
+            force_static_sched=True, clc_bundle_size=None, num_sched_stages=None, acc_dtype=cutlass.Float32,
+            scenario="2Dx3D", world_size=self.world_size, num_topk=self.top_k,
+            max_tokens_per_rank=self.max_tokens_per_rank, hidden=self.hidden_size,
+            token_back_mode=knobs.token_back_mode, epi_flag_batch=knobs.epi_flag_batch, flag_batch=knobs.flag_batch,
+            gate_up_clamp=self.spec.gate_up_clamp,
             # The kernel's own TopkReduce writes output_activation (without the in-kernel reduce).
             skip_topk_reduce=False,
-            **{self.format.reduce_kwarg: knobs.fc2_in_kernel_topk_reduce},
         )
 
     def kernel_interleave(self) -> int:
@@ -108,7 +114,8 @@ class BlockScaledFrontend(Sm100Frontend):
         return [("act", (c,) + self.act_shape(), self.act_dtype), ("act_sf", (c, self.scale_cols), self.scale_dtype)]
 
     def activation_args(self, b, rows: int):
-        return dict(activation=b.tensor(self.act[:rows]), activation_sf=b.tensor(self.act_sf[:rows]))
+        return dict(activation=b.tensor(self.act[:rows]), activation_sf=b.tensor(self.act_sf[:rows]),
+                    num_valid_tokens=None)
 
     def weight_args(self, b, w):
         return dict(fc1_weight=b.tensor(w.fc1), fc1_weight_sf=b.tensor(w.fc1_sf), fc2_weight=b.tensor(w.fc2),

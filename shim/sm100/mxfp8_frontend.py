@@ -41,7 +41,9 @@ class Sm100Mxfp8Frontend(BlockScaledFrontend):
         # re-quantization works in whole 128-token tiles and refuses the 64-token epilogue tile.
         return dict(token_padding_block=int(ks.SfPaddingBlock), sf_padding_block=ks.SfPaddingBlock,
                     ab_dtype=cutlass.Float8E4M3FN, sf_vec_size=ks.Mxfp8BlockSize, local_rank=self.rank,
-                    generate_c=False, use_stg_fc1=False, combine_format=ks.CombineFormat.parse("bf16"))
+                    generate_c=False, use_stg_fc1=False, combine_format=ks.CombineFormat.parse("bf16"),
+                    fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce, col_quant_num_ctas=2368,
+                    act_func="swiglu", topk_reduce_persistent=False)
 
     def act_shape(self):
         return (self.hidden_size,)

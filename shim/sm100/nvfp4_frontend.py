@@ -35,7 +35,13 @@ class Sm100Nvfp4Frontend(BlockScaledFrontend):
         return dict(token_padding_block=int(ks.SwapABSwigluFp4Epilogue._EpilogueTokenTileSize),
                     sf_padding_block=ks.SfPaddingBlock, sf_vec_size=ks.Nvfp4BlockSize,
                     fc2_output_dtype=cutlass.BFloat16, combine_format=ks.CombineFormat.parse("bf16"),
-                    non_ubulk_fc2_store=True, apply_topk_in_fc1=True)
+                    non_ubulk_fc2_store=True, apply_topk_in_fc1=True,
+                    in_kernel_fc2_reduce=knobs.fc2_in_kernel_topk_reduce, swiglu_alpha=None, swiglu_beta=None,
+                    situ_beta=None, situ_linear_beta=None, enable_fc1_activation_per_token_scale=False,
+                    topk_reduce_persistent=False)
+
+    def activation_args(self, b, rows: int):
+        return dict(super().activation_args(b, rows), fc1_activation_per_token_scale=None)
 
     def act_shape(self):
         return (self.hidden_size // 2,)

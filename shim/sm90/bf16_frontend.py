@@ -23,6 +23,11 @@ class Sm90Bf16Frontend(Sm90Frontend):
         ks = self.symbols()
         return ks.Sm90MegaMoESwapABBf16Kernel if knobs.swap_ab else ks.Sm90MegaMoEBf16Kernel
 
+    def format_kwargs(self, knobs):
+        import cutlass
+
+        return dict(ab_dtype=cutlass.BFloat16)
+
     def input_buffers(self):
         return [("act", (self.max_tokens_per_rank, self.hidden_size), torch.bfloat16)]
 

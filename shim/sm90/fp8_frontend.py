@@ -50,7 +50,9 @@ class Sm90StagedFp8Frontend(Sm90Frontend):
         ks = self.symbols()
         return dict(sf_padding_block=ks.SfPaddingBlock, ab_dtype=cutlass.Float8E4M3FN,
                     sf_vec_size=ks.Fp8E8M0SfVecSize, fp8_scale_mode=self.format.scale_mode,
-                    fp8_accum_mode=self.accum_mode(knobs))
+                    fp8_accum_mode=self.accum_mode(knobs), grouped_token_back=False, combine_format="bf16",
+                    dedup_dispatch=knobs.exchange_kwargs().get("dedup_dispatch", False),
+                    compact_pull_buffer=knobs.exchange_kwargs().get("compact_pull_buffer", True))
 
     def stage_fused(self, x: torch.Tensor) -> None:
         """x's rows into the input buffers by the fused kernel."""
@@ -98,12 +100,6 @@ class Sm90Fp8Frontend(Sm90StagedFp8Frontend):
     def kernel_class(self, knobs: Sm90Knobs):
         ks = self.symbols()
         return ks.Sm90MegaMoESwapABFp8Kernel if knobs.swap_ab else ks.Sm90MegaMoEFp8Kernel
-
-    def check_kernel(self, kernel) -> None:
-        ks = self.symbols()
-        if ks.Fp8GateUpInterleave != sm90_weights.GATE_UP_INTERLEAVE:
-            raise RuntimeError(f"drop's Fp8GateUpInterleave={ks.Fp8GateUpInterleave}, the weight packer assumes "
-                               f"{sm90_weights.GATE_UP_INTERLEAVE}")
 
     def input_buffers(self):
         c, h = self.max_tokens_per_rank, self.hidden_size

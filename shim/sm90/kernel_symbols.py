@@ -35,6 +35,7 @@ _LAZY = {
     # tree has its module before anything resolves this row (shim/sm90/backend.py).
     "Sm90MegaMoESwapABMxfp4Fp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABMxfp4Fp8Kernel"),
     "MXFP4_K_TILE": ("moe_hopper_fp8.mxfp4_cutedsl", "MXFP4_K_TILE"),
+    "MXFP4_FOLD_M": ("moe_hopper_fp8.mxfp4_cutedsl", "MXFP4_FOLD_M"),
     "SymBufferHost": ("src.sym_buffer", "SymBufferHost"),
     "SfPaddingBlock": ("common.megamoe_constants", "SfPaddingBlock"),
     "Fp8E8M0SfVecSize": ("common.megamoe_constants", "Fp8E8M0SfVecSize"),
@@ -43,6 +44,10 @@ _LAZY = {
     "Fp8WeightScaleBlockN": ("common.megamoe_constants", "Fp8WeightScaleBlockN"),
     "Fp8WeightScaleBlockK": ("common.megamoe_constants", "Fp8WeightScaleBlockK"),
     "Fp8GateUpInterleave": ("common.megamoe_constants", "Fp8GateUpInterleave"),
+    # The drop's CPU references (torch only): the drop audit runs them on the layouts this shim prepares
+    # (tools/drop/numerics.py); nothing at run time uses them.
+    "compute_megamoe_reference_fp8": ("moe_hopper_fp8.mega_reference_fp8", "compute_megamoe_reference_fp8"),
+    "compute_megamoe_reference_bf16": ("moe_hopper_bf16.mega_reference_bf16", "compute_megamoe_reference_bf16"),
     "FP8_SCALE_MODE_CHOICES": ("moe_hopper_fp8.hopper_moe_utils", "FP8_SCALE_MODE_CHOICES"),
     "FP8_ACCUM_MODE_CHOICES": ("moe_hopper_fp8.hopper_moe_utils", "FP8_ACCUM_MODE_CHOICES"),
 }

@@ -96,8 +96,9 @@ KNOB_SPACE = {
 
 CORRECTNESS_KNOBS = ("kernel", "swap_ab", "mma_tiler_mnk", "cluster_shape_mnk", "pingpong", "accum_mode",
                      "token_back_mode", "fc2_in_kernel_topk_reduce", "load_balance_mode", "tail_split_pairs")
-# Perf knobs: the first three always passed; the rest (EXCHANGE_KNOBS) passed only when set, None meaning the kernel's
-# own default, so a knob set written before they existed builds the same program.
+# Perf knobs: the first three always passed; the rest (EXCHANGE_KNOBS) at the set's value when set, None meaning drop
+# 0.7.4's default, which the frontends pass by name (a drop's new default is then a decision the drop audit names),
+# so a knob set written before they existed builds the same program.
 EXCHANGE_KNOBS = ("active_dispatch_warps", "fold_producer_warps", "fc1_store_offload", "fc1_early_done_publish",
                   "num_sched_stages", "dedup_dispatch", "compact_pull_buffer", "mxfp4_fc2_tail_n8")
 PERF_KNOBS = ("group_hint", "flag_batch", "epi_flag_batch") + EXCHANGE_KNOBS
@@ -146,8 +147,8 @@ class Sm90Knobs(KnobSet):
         return tuple(getattr(self, k) for k in CORRECTNESS_KNOBS)
 
     def exchange_kwargs(self) -> Dict[str, Any]:
-        """The constructor arguments of the EXCHANGE_KNOBS this set fixes (those left None keep the kernel's
-        default)."""
+        """The constructor arguments of the EXCHANGE_KNOBS this set fixes (for those left None the frontends pass
+        drop 0.7.4's default by name)."""
         return {k: getattr(self, k) for k in EXCHANGE_KNOBS if getattr(self, k) is not None}
 
     def validate(self, fmt: Optional[str] = None) -> "Sm90Knobs":

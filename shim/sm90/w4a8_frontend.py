@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from moe_ep.formats import QuantizedActivation, codecs
-from shim.sm90 import fp8_staging, w4a8_weights
+from shim.sm90 import fp4_layout, fp8_staging, w4a8_weights
 from shim.sm90.fp8_frontend import Sm90StagedFp8Frontend
 from shim.sm90.knobs import Sm90Knobs
 
@@ -39,6 +39,24 @@ class Sm90W4A8Frontend(Sm90StagedFp8Frontend):
 
     def accum_mode(self, knobs: Sm90Knobs) -> str:
         return "1xacc"
+
+    def format_kwargs(self, knobs: Sm90Knobs):
+        # The MXFP4 constructor's own arguments at the values it defaults to (the compact pull buffer off: it sets
+        # that default itself for its dispatch storage), the exchange knobs at the set's value where it fixes one.
+        ex = knobs.exchange_kwargs()
+        return dict(super().format_kwargs(knobs), compact_pull_buffer=ex.get("compact_pull_buffer", False),
+                    mxfp4_fc2_tail_n8=ex.get("mxfp4_fc2_tail_n8", False), mxfp4_fc1_ready_mode="tile")
+
+    def check_kernel(self, kernel) -> None:
+        super().check_kernel(kernel)
+        ks = self.symbols()
+        for where, value, mine in (("the kernel's sf_uint32_per_token", getattr(kernel, "sf_uint32_per_token", None),
+                                    SCALE_ROW),
+                                   ("mxfp4_cutedsl.MXFP4_FOLD_M", ks.MXFP4_FOLD_M, fp4_layout.FOLD_M),
+                                   ("mxfp4_cutedsl.MXFP4_K_TILE", ks.MXFP4_K_TILE, fp4_layout.FOLD_K)):
+            if value != mine:
+                raise RuntimeError(f"the drop's {where} is {value}; the W4A8 layout (shim/sm90/fp4_layout.py, this "
+                                   f"frontend's scale row) assumes {mine}")
 
     def input_buffers(self):
         c, h = self.max_tokens_per_rank, self.hidden_size

@@ -264,6 +264,46 @@ class _Impact:
     def stores(self, name: str, users: frozenset) -> List[ArgSite]:
         return [a for a in self.args if a.kind == "store" and name in a.names and self.hits(a.site) & users]
 
+    def _selects_from(self, module: str, users: frozenset) -> bool:
+        """Some of `users` call a function of `module` that returns one of the module's own classes (a heuristic's
+        selection): its bucket helpers (token_bucket -> int) and an eager import reach no table."""
+        for a in self.args:
+            if a.kind != "call" or a.callee is None or a.callee[0] != module or a.callee[1] is None:
+                continue
+            found = self.index.find_function(module, a.callee[1])
+            if found is not None and self._returns_own_object(module, found[1]) and self.hits(a.site) & users:
+                return True
+        return False
+
+    def _returns_own_object(self, module: str, func: ast.FunctionDef) -> bool:
+        """Annotated to return a class of `module`, or (unannotated) returning an instance of one or an entry of a
+        module-level table."""
+        returns = func.returns
+        if isinstance(returns, ast.Constant) and isinstance(returns.value, str):
+            returns = ast.parse(returns.value, mode="eval").body
+        if returns is not None:
+            return isinstance(returns, ast.Name) and self.index.find_class(module, returns.id) is not None
+        bound = self.index.bindings(module)
+        for node in ast.walk(func):
+            value = node.value if isinstance(node, ast.Return) else None
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+                if self.index.find_class(module, value.func.id) is not None:
+                    return True
+            if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) and value.value.id in bound:
+                return True
+        return False
+
+    def tables_reached(self, tables: Dict[str, tuple], users: frozenset) -> Dict[str, tuple]:
+        """The drop's heuristic-table values (knobs.heuristic_values) from modules some of `users` reach: a table
+        feeds a class only through a pair that calls into its module (the FP8 tables are not W4A8's)."""
+        reached = {m for m in {m for _, (_, mods) in tables.items() for m in mods} if self._selects_from(m, users)}
+        out = {}
+        for knob, (values, mods) in tables.items():
+            kept = [m for m in mods if m in reached]
+            if kept:
+                out[knob] = (values, kept)
+        return out
+
 
 def run_audit(
     repo_root: Path,
@@ -332,8 +372,12 @@ def run_audit(
             uses = impact.uses_of(row.module, row.name)
             pairs = frozenset().union(*[impact.hits(u.site) for u in uses]) if uses else frozenset()
             sites = _join([f"{row.file}:{row.lineno}"] + [u.site.where for u in uses])
-            detail = res.detail if uses or row.form != "lazy" else res.detail + "; no shim line uses it"
-            findings.append(Finding("imports", "break", subject, detail, sites, tuple(sorted(pairs))))
+            used = bool(uses) or row.form != "lazy"
+            # A lazy row nothing in the shim reads fails nothing at run time (the drop's CPU references: the audit's
+            # numerical check, which then fails for its backend, is where that shows).
+            detail = res.detail if used else res.detail + "; no shim line uses it"
+            findings.append(Finding("imports", "break" if used else "warn", subject, detail, sites,
+                                    tuple(sorted(pairs))))
         elif res.status == "unchecked":
             findings.append(Finding("imports", "unchecked", f"{row.file}:{row.lineno} {subject}", res.detail))
 
@@ -374,6 +418,7 @@ def run_audit(
                 reported.add((name, method, c.param))
                 if c.change == "renamed":
                     reported.add((name, method, c.detail.split(" -> ")[-1]))
+            findings.extend(_relied_defaults(name, method, sig, sites, impact, users, reported))
             findings.extend(_cross_check(name, method, sig, sites, impact, users, reported))
         if name not in current and lazy:
             findings.append(Finding("signatures", "note", name, "in the contract but no longer named by the shim's _LAZY"))
@@ -417,8 +462,15 @@ def run_audit(
         params = {p.name: p for p in (init.params if init else ())}
         takes_kwargs = any(p.kind == "var_keyword" for p in params.values())
         package = mod.split(".")[0]
-        tables = knobs_mod.heuristic_values(index, package)
+        tables = impact.tables_reached(knobs_mod.heuristic_values(index, package), users)
+        passed = {n for a in impact.arg_sites(cls_key, module_hint, "__init__", set(params), users)
+                  if a.class_key is None for n in a.names}
         for knob, values in sorted(knobs.items()):
+            if knob not in params and knob not in passed and not takes_kwargs:
+                # The knob set's own field (e.g. swap_ab, which picks the class): no constructor argument carries it.
+                knob_rows.append(KnobRow(cls_key, knob, "", "note", "a shim-side knob: no constructor argument of "
+                                                                   f"the shim passes it to {cls_key}"))
+                continue
             if knob not in params or params[knob].kind in ("var_positional", "var_keyword"):
                 if takes_kwargs:
                     knob_rows.append(KnobRow(cls_key, knob, "", "unchecked", "not a named parameter; __init__ takes **kwargs"))
@@ -509,6 +561,20 @@ def _judge_change(c: contract_mod.ParamChange, cls: str, method: str, sites: Lis
         else:
             passing = sites
             detail += "; no shim line passes it"
+    elif (c.change == "added" and c.status == "note") or (c.change == "redefaulted" and " -> " in c.detail):
+        # A default the shim does not pass is what every layer now runs with: a decision the shim must make.
+        unpinned, where_missing = _unpinned(name, sites, impact, users)
+        if unpinned:
+            status = "break"
+            names = ", ".join(sorted({b for b, _ in unpinned}))
+            detail += (f"; changes behaviour unless the shim pins it: no shim line passes {name} for {names} "
+                       "(pass the value the shim wants, then accept the contract)")
+            passing = where_missing
+            return dataclasses.replace(c, status=status), Finding(
+                "signatures", status, subject, detail, _join(a.site.where for a in passing), tuple(sorted(unpinned)))
+        status = "note"
+        passing = _lines_passing(sites, name, impact.stores(name, users))
+        detail += "; the shim pins it: accept the contract" if passing else "; the shim never calls it"
     elif c.change == "moved" and c.status == "break":
         passing = _positional_over(sites, c.param.split(","), old_positional)
         if not sites:
@@ -527,11 +593,55 @@ def _judge_change(c: contract_mod.ParamChange, cls: str, method: str, sites: Lis
     return dataclasses.replace(c, status=status), Finding("signatures", status, subject, detail, where, tuple(sorted(pairs)))
 
 
+def _pins(sites: List[ArgSite]) -> List[ArgSite]:
+    """The sites that hand arguments to the kernel (a knob space's value set under a class key passes nothing)."""
+    return [a for a in sites if a.class_key is None]
+
+
+def _unpinned(name: str, sites: List[ArgSite], impact: _Impact, users: frozenset):
+    """(pairs among `users` that call the method and pass `name` on no shim line, the argument sites they run)."""
+    pins = _pins(sites)
+    stores = impact.stores(name, users)
+    missing, where = set(), []
+    for pair in users:
+        mine = [a for a in pins if pair in impact.hits(a.site)]
+        if not mine:
+            continue  # the pair reads the class (an attribute, a constant) but never calls it
+        if any(name in a.names for a in mine) or any(pair in impact.hits(a.site) for a in stores):
+            continue
+        missing.add(pair)
+        where += [a for a in mine if a not in where]
+    return frozenset(missing), where
+
+
+def _relied_defaults(cls: str, method: str, sig, sites: List[ArgSite], impact: _Impact, users: frozenset,
+                     reported: set) -> List[Finding]:
+    """Parameters with a default the contract already had, which some backend leaves to the drop: the shim should
+    name every value it relies on (a default given by a name, set in the body or by setdefault can change without
+    the signature's text changing)."""
+    out: List[Finding] = []
+    if not sites:
+        return out
+    for p in sig.params:
+        if p.default is None or p.kind in ("var_positional", "var_keyword") or (cls, method, p.name) in reported:
+            continue
+        unpinned, where = _unpinned(p.name, sites, impact, users)
+        if not unpinned:
+            continue
+        names = ", ".join(sorted({b for b, _ in unpinned}))
+        out.append(Finding("signatures", "warn", f"{cls}.{method}({p.name})",
+                           f"the shim relies on the drop's default {p.name} = {p.default} for {names}: pass it "
+                           "explicitly, so that a drop that changes it is a break the audit names",
+                           _join(a.site.where for a in where)))
+    return out
+
+
 def _cross_check(cls: str, method: str, sig, sites: List[ArgSite], impact: _Impact, users: frozenset,
                  reported: set) -> List[Finding]:
     """The shim's argument sites against the new signature itself (warn: a site tied by name overlap
     may not be a call of this method; the contract diff is what decides a break)."""
     out: List[Finding] = []
+    sites = _pins(sites)
     if not sites:
         return out
     names = {p.name for p in sig.params}

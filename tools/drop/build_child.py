@@ -7,8 +7,9 @@ environment variable (and declared unpinned: a new drop matches no pin yet), CUT
 One process holds one tree (the trees share top-level package names), so each arch gets its own children.
 
 Each job builds the frontend a layer would build (shim.common.backend.compile_only_frontend: the backend's rules,
-knob resolution, the kernel object) and, when asked, compiles it. One JSON line per job on stdout, after MARK; the
-parent reads nothing else from stdout.
+knob resolution, the kernel object) and, when asked, compiles it or runs the numerical check on it
+(tools/drop/numerics.py: the shim's layouts through the drop's own CPU references). One JSON line per job on stdout,
+after MARK; the parent reads nothing else from stdout.
 """
 
 from __future__ import annotations
@@ -53,20 +54,28 @@ def _knobs_dict(knobs) -> Optional[dict]:
 def run_job(job: dict, repo: str, tree_root: str) -> dict:
     import moe_ep
     from shim.common.backend import compile_only_frontend
+    from tools.drop import numerics
 
     out = {"id": job["id"], "ok": False, "stage": "resolve", "seconds": 0.0, "cpu_seconds": 0.0, "knobs": None,
-           "error": "", "shim_site": None, "drop_site": None}
+           "kernel": None, "error": "", "shim_site": None, "drop_site": None}
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         spec = moe_ep.MoESpec(**job["geometry"], max_tokens_per_rank=job["capacity"])
         frontend = compile_only_frontend(job["backend"], spec, fmt=job["fmt"], knobs=job["knobs"],
                                          world_size=job["world_size"])
         out["knobs"] = _knobs_dict(getattr(frontend, "knobs", None))
-        if job["compile"]:
+        out["kernel"] = type(frontend.kernel).__name__
+        if job.get("numbers"):
+            out["stage"] = "numbers"
+            numerics.check(frontend, repo, tree_root)
+        elif job["compile"]:
             out["stage"] = "compile"
             t0, c0 = time.perf_counter(), time.process_time()
             frontend.compile()
         out["ok"] = True
+    except numerics.Mismatch as e:
+        out["error"] = str(e)
+        out["shim_site"], out["drop_site"] = e.shim_site, e.drop_site
     except BaseException as e:  # noqa: BLE001 - every failure is the verdict of this job, reported, not raised
         if isinstance(e, KeyboardInterrupt):
             raise

@@ -68,6 +68,7 @@ class Backend:
     formats: Tuple[str, ...]
     lineno: int = 0
     also: Tuple[str, ...] = ()  # further "module:Attr" units the backend runs (a format table row's frontend)
+    classes: Tuple[str, ...] = ()  # the kernel classes a format table row's knobs can select (its kernel_classes)
 
     def pairs(self) -> List[Pair]:
         return [(self.name, f) for f in self.formats]
@@ -131,7 +132,9 @@ def read_format_tables(repo_root: Path) -> List[Backend]:
                 continue
             name, arch, fmt, target, frontend = fields
             module, attr = target.split(":", 1)
-            out.append(Backend(name, module, attr, arch, (fmt,), node.lineno, (frontend,)))
+            classes = kw.get("kernel_classes")
+            classes = tuple(c for c in classes if isinstance(c, str)) if isinstance(classes, (tuple, list)) else ()
+            out.append(Backend(name, module, attr, arch, (fmt,), node.lineno, (frontend,), classes))
     return out
 
 

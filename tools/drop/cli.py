@@ -40,14 +40,14 @@ from tools.drop import build_stage
 from tools.drop import contract as contract_mod
 from tools.drop import docs as docs_mod
 from tools.drop import layering as layering_mod
-from tools.drop.audit import EXIT_ALL_BREAK, EXIT_OK, EXIT_SOME_BREAK, EXIT_USAGE, AuditResult, run_audit
+from tools.drop.audit import EXIT_ALL_BREAK, EXIT_OK, EXIT_SOME_BREAK, EXIT_USAGE, AuditResult, Finding, run_audit
 from tools.drop.fetch import (FetchError, TreeLocation, add_wheel, default_cache_dir, locate_in_directory,
                              tree_for_version)
 from tools.drop.inventory import Inventory, inventory_of_tree, is_compiled, load_manifest_file
 from tools.drop.manifests import manifest_path
 from tools.drop.pins import PinError, read_pins, read_pins_file, read_strip_prefix, rewrite_pins, workspace_bzl
 from tools.drop.report import render_markdown, render_terminal
-from tools.drop.tables import render_stale, stale_entries
+from tools.drop.tables import render_stale, stale_entries, table_entries
 from tools.drop.shim_scan import lazy_tables
 from tools.drop.source_model import DropIndex
 from tools.drop.transaction import Transaction
@@ -121,11 +121,16 @@ def _take_handover(args, expected_sha: Optional[str], expected_from: str) -> Non
 
 def real_tree_dir(root: Path) -> Path:
     """The directory the tree was extracted to. Bazel's runfiles are a forest of links that holds
-    only the files the BUILD globs select; a stray file sits in the real directory behind them."""
-    marker = Path(root) / "carrier.json"
-    if marker.is_symlink():
-        return marker.resolve().parent
-    return Path(root)
+    only the files the BUILD globs select (not the repository rule's carrier.json, not a stray
+    __pycache__/); a stray file sits in the real directory behind them, which is what the
+    inventory must read and what the build children must import."""
+    root = Path(root)
+    for link in sorted(root.rglob("*.py")):
+        if link.is_symlink():
+            rel = link.relative_to(root)
+            real = link.resolve()
+            return real.parents[len(rel.parts) - 1]
+    return root
 
 
 def pinned_tree_root(repo: Path, tree: TreeFacts, cache_dir: Path, explicit: Optional[str] = None,
@@ -164,7 +169,7 @@ def _old_inventory(args, repo: Path, tree: TreeFacts, against: Optional[str], ne
         if manifest.is_file():
             return load_manifest_file(manifest), f"{_pin_label(repo, tree)} (manifest)"
         return new_inv, _pin_label(repo, tree)
-    path = Path(against)
+    path = _user_path(against)
     if path.is_dir():
         return inventory_of_tree(path), str(path)
     if path.is_file() and path.suffix == ".json":
@@ -210,10 +215,12 @@ def cmd_audit(args, repo: Path) -> int:
         _take_handover(args, args.sha256, "--sha256")
     code = EXIT_OK
     for tree in _trees(args.tree):
-        location = None
+        location, fetched_sha = None, None
         if args.version:
-            # A bump preview: the new drop from pip (or handed over), nothing in the repo rewritten.
-            root, _, loc = _fetch(args, repo, tree, args.version, args.sha256, "--sha256")
+            # A bump preview: the new drop from pip (or handed over), nothing in the repo rewritten. The wheel's own
+            # hash decides which table rows are in use, as the bump's does: the same plan, so the bump reuses this
+            # build stage's verdict.
+            root, fetched_sha, loc = _fetch(args, repo, tree, args.version, args.sha256, "--sha256")
             how, new_label, location = f"wheel cache ({args.version})", args.version, loc.as_dict()
         else:
             root, how = pinned_tree_root(repo, tree, _cache_dir(args), args.tree_root, args.strip_prefix)
@@ -224,7 +231,7 @@ def cmd_audit(args, repo: Path) -> int:
         old_inv, old_label = _old_inventory(args, repo, tree, args.against, new_inv)
         contract = contract_mod.load_contract(contract_mod.contract_path(repo, tree.arch))
         result = run_audit(repo, tree, root, old_inv, new_inv, old_label, new_label, contract, location)
-        sha = args.sha256 if args.version else _pinned_sha_if_same(repo, tree, new_inv)
+        sha = fetched_sha if args.version else _pinned_sha_if_same(repo, tree, new_inv)
         _build(args, repo, tree, root, result, sha)
         _emit(result, _report_path(repo, tree, old_label, new_label, args.report), _command_line())
         _tables(repo, tree, sha, new_label)
@@ -245,22 +252,38 @@ def _pinned_sha_if_same(repo: Path, tree: TreeFacts, inventory: Inventory) -> Op
 
 
 def _build(args, repo: Path, tree: TreeFacts, root: Path, result: AuditResult, sha: Optional[str]) -> None:
-    """The build stage (tools/drop/build_stage.py) unless --static-only: knob resolution at every token bucket, and
-    compiles unless --no-compile; its findings join the result."""
-    if args.static_only or not result.backends:
+    """The build stage (tools/drop/build_stage.py) unless --static-only: knob resolution at every token bucket, the
+    numerical check, and compiles of every kernel class each backend can select unless --no-compile; its findings
+    join the result. A stage left out is a warning: what it would have decided is not known."""
+    if not result.backends:
+        return
+    if args.static_only:
+        build_stage.note_skipped(result, "--static-only: no knob was resolved, no number checked, nothing compiled")
         return
     jobs = build_stage.plan_jobs(repo, tree.arch, result.all_pairs(), compile=not args.no_compile,
                                  compile_capacities=args.compile_capacities, drop_sha256=sha,
-                                 compile_tables=args.compile_tables)
-    report = build_stage.run_build(repo, tree, root, jobs, compile_jobs=args.compile_jobs, log=_log)
+                                 compile_tables=args.compile_tables, resolve_capacities=args.resolve_capacities)
+    classes = {p: b.classes for b in result.backends for p in b.pairs() if b.classes}
+    # The directory behind Bazel's runfiles links: what the child imports is what the audit inventoried.
+    report = build_stage.run_stage(repo, tree, real_tree_dir(root), jobs, classes=classes, compile=not args.no_compile,
+                                   compile_jobs=args.compile_jobs, cache_dir=_cache_dir(args), rebuild=args.rebuild,
+                                   log=_log)
     build_stage.apply_build(result, report)
+    if args.no_compile:
+        build_stage.note_skipped(result, "--no-compile: knobs resolved and numbers checked, nothing compiled")
+    else:
+        for (backend, fmt), name in build_stage.uncovered(report, classes):
+            result.findings.append(Finding("build", "warn", f"{backend} [{fmt}] {name}",
+                                           "not compiled: no knob set the heuristic or a shipped table gives selects "
+                                           "it", (), ((backend, fmt),)))
 
 
 def _tables(repo: Path, tree: TreeFacts, sha: Optional[str], label: str) -> None:
     """Shipped knob tables measured on another drop than the audited one (they are no longer used). `sha`: the
     audited wheel's, None when it is not known (a tree handed over as a directory)."""
     if sha:
-        print(render_stale(stale_entries(repo, tree.arch, sha), tree.arch, label), end="")
+        print(render_stale(stale_entries(repo, tree.arch, sha), tree.arch, label, table_entries(repo, tree.arch)),
+              end="")
 
 
 def _combine(a: int, b: int) -> int:
@@ -300,8 +323,19 @@ def _next_steps(args, tree: TreeFacts, sha: str, result: AuditResult, report: Op
     )
 
 
+def _byte_code_refusal(root: Path, strays: List[str]) -> str:
+    # A cached extraction is checked file by file against its wheel before use (tools/drop/fetch.py), so compiled
+    # files here come from the wheel itself.
+    return (f"the wheel ships compiled files in its tree ({strays[:3]}{'...' if len(strays) > 3 else ''}, extracted "
+            f"at {root}): a drop is pinned as Python sources, and byte code would run in their place (the shim's tree "
+            "guard refuses it at load); ask the kernel team for a wheel without them")
+
+
 def cmd_bump(args, repo: Path) -> int:
     tree = TREES[args.tree]
+    if args.static_only:
+        raise UsageError("a bump pins the drop, and the source checks alone cannot say it is compatible: bump runs "
+                         "the build stage (--no-compile keeps it to knob resolution and the numerical check)")
     announced = _check_sha(args.sha256)
     _take_handover(args, announced, "--sha256 (announced)")
     bzl = workspace_bzl(repo)
@@ -323,7 +357,7 @@ def cmd_bump(args, repo: Path) -> int:
     new_inv = inventory_of_tree(new_root)
     strays = [rel for rel in new_inv if is_compiled(rel)]
     if strays:
-        raise UsageError(f"the extracted tree {new_root} holds compiled files the wheel does not ship ({strays[:3]}...)")
+        raise UsageError(_byte_code_refusal(new_root, strays))
 
     # 2. The previous drop's files: the committed manifest records them exactly.
     manifest = manifest_path(repo, tree)
@@ -387,7 +421,7 @@ def cmd_manifest(args, repo: Path) -> int:
     data = manifest_mod.compute_manifest(root, args.version, digest)
     strays = [rel for rel in data["files"] if is_compiled(rel)]
     if strays:
-        raise UsageError(f"the extracted tree {root} holds compiled files the wheel does not ship: {strays[:3]}")
+        raise UsageError(_byte_code_refusal(root, strays))
     out = _user_path(args.out)
     tx = Transaction(out.parent)
     tx.write(out, manifest_mod.dumps(data))
@@ -452,7 +486,13 @@ def _build_options(p: argparse.ArgumentParser) -> None:
                    help="also compile each distinct shipped knob-table row measured on this drop (sm90: a dozen)")
     g.add_argument("--compile-capacities", type=_capacities, default=build_stage.COMPILE_CAPACITIES,
                    metavar="C,C,...", help="capacities whose heuristic knobs are compiled per backend and format "
-                                           f"(default {','.join(map(str, build_stage.COMPILE_CAPACITIES))})")
+                                           f"(default {','.join(map(str, build_stage.COMPILE_CAPACITIES))}); every "
+                                           "kernel class a backend can select is compiled besides")
+    g.add_argument("--resolve-capacities", type=_capacities, default=build_stage.RESOLVE_CAPACITIES,
+                   metavar="C,C,...", help="capacities whose knobs are resolved (default: both sides of every token "
+                                           "bucket, 1 to 32769)")
+    g.add_argument("--rebuild", action="store_true",
+                   help="run the build stage even when the cache holds the verdict of the same tree, shim and plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -519,7 +559,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0) and EXIT_USAGE
-    repo = Path(args.repo).resolve() if args.repo else find_repo_root()
+    repo = _user_path(args.repo).resolve() if args.repo else find_repo_root()
     if getattr(args, "sha256", None) and args.command == "audit" and not (args.version or args.wheel):
         print("tools/drop: error: --sha256 goes with --version or --wheel", file=sys.stderr)
         return EXIT_USAGE

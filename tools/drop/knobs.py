@@ -17,7 +17,7 @@ import ast
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
-from tools.drop.source_model import DropIndex, literal_or_none
+from tools.drop.source_model import DropIndex, forwards_to_super, literal_or_none
 
 __all__ = ["Constraint", "KnobVerdict", "freeze", "heuristic_values", "param_constraints", "judge_value"]
 
@@ -155,14 +155,18 @@ def param_constraints(index: DropIndex, module: str, cls: ast.ClassDef, param: s
             if key in seen:
                 return
             seen.add(key)
+            named = False
             for arg in list(init.args.posonlyargs) + list(init.args.args) + list(init.args.kwonlyargs):
                 if arg.arg == name:
+                    named = True
                     values = _literal_annotation_values(arg.annotation)
                     if values is not None:
                         out.append(Constraint(allowed=values, where=f"{mod}:{arg.lineno} (Literal annotation)"))
             out.extend(_checks_in(init, name, mod))
             for forwarded in _forwarded_as(init, name):
                 visit(i + 1, forwarded)
+            if not named and forwards_to_super(init, "__init__"):
+                visit(i + 1, name)  # reaches the next __init__ through *args / **kwargs
             return
 
     visit(0, param)

@@ -59,7 +59,7 @@ def _backend_rows(result: AuditResult) -> List[List[str]]:
     return rows
 
 
-_BUILD_HEADERS = ("backend", "format", "static", "resolve", "compile", "verdict")
+_BUILD_HEADERS = ("backend", "format", "static", "resolve", "compile", "numbers", "verdict")
 
 
 def _build_rows(result: AuditResult) -> List[List[str]]:
@@ -72,8 +72,9 @@ def _build_rows(result: AuditResult) -> List[List[str]]:
         n_break = sum(1 for f in groups if pair in f.pairs)
         n_warn = sum(1 for f in result.findings if f.section != "build" and pair in f.pairs and f.status == "warn")
         cell = f"BREAK {n_break}" if n_break else (f"warn {n_warn}" if n_warn else "ok")
-        resolve, compile_ = report.summary(pair) if pair in report.pairs else ("-", "-")
-        rows.append([pair[0], pair[1], cell, resolve, compile_, "BREAK" if pair in result.broken_pairs() else "ok"])
+        resolve, compile_, numbers = report.summary(pair) if pair in report.pairs else ("-", "-", "-")
+        rows.append([pair[0], pair[1], cell, resolve, compile_, numbers,
+                     "BREAK" if pair in result.broken_pairs() else "ok"])
     return rows
 
 
@@ -110,10 +111,13 @@ def render_summary(result: AuditResult, markdown: bool = False) -> str:
     if backend_rows and result.build is not None:
         out += [table(_BUILD_HEADERS, _build_rows(result)), ""]
         jobs = result.build.outcomes
-        line = (f"build stage: {sum(not o.job.compile for o in jobs)} knob resolutions, "
+        line = (f"build stage: {sum(o.job.stage == 'resolve' for o in jobs)} knob resolutions, "
+                f"{sum(o.job.stage == 'numbers' for o in jobs)} numerical checks, "
                 f"{sum(o.job.compile for o in jobs)} compiles")
         seconds, cpu = result.build.compile_seconds(), result.build.compile_seconds(cpu=True)
-        if not markdown and seconds:  # the report stays the same from run to run
+        if result.build.cached:
+            line += " (the verdict of an identical tree, shim and plan, from the cache: nothing ran again)"
+        elif not markdown and seconds:  # the report stays the same from run to run
             line += (f" in {result.build.wall_s:.0f} s on {result.build.compile_jobs} child process(es); compiles "
                      f"{min(seconds):.1f}-{max(seconds):.1f} s each (CPU {min(cpu):.1f}-{max(cpu):.1f} s)")
         out += [line, ""]
@@ -203,6 +207,13 @@ def render_terminal(result: AuditResult) -> str:
         out.append("  values the drop's heuristic tables use that the knob space does not offer:")
         for cls, knob, value in result.table_only_values:
             out.append(f"    {cls}.{knob} = {value}")
+        out.append("")
+    breaks = [f for f in result.findings if f.status == "break"]
+    if breaks:
+        # In full: the verdict below shortens each to a line; a maintainer reads the whole reason here.
+        out.append("[breaks] in full: the reason (with the drop line, where known) and the shim lines")
+        out.append(text_table(("section", "subject", "detail", "shim lines"),
+                              [[f.section, f.subject, f.detail, ", ".join(f.sites)] for f in breaks]))
         out.append("")
     warns = [f for f in result.findings if f.status == "warn"]
     if warns:

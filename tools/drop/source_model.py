@@ -19,6 +19,7 @@ __all__ = [
     "MethodSignature",
     "Param",
     "SymbolResolution",
+    "forwards_to_super",
     "function_params",
     "literal_or_none",
 ]
@@ -422,14 +423,97 @@ class DropIndex:
         return None
 
     def signature(self, module: str, cls: ast.ClassDef, name: str) -> Optional[MethodSignature]:
-        found = self.method(module, cls, name)
+        """`name` as a caller of the class sees it. A definition that takes *args / **kwargs and hands them on to
+        super().<name>(*args, **kwargs) takes what the next definition along the class's MRO takes (recursively),
+        with the defaults its body sets by kwargs.setdefault("p", v): the W4A8 kernel's constructor is four
+        parameters of its own over the FP8 kernel's, and a parameter the FP8 kernel gains is one it gains too."""
+        mro = self.mro(module, cls)
+        found = self._method_from(mro, 0, name)
         if found is None:
             return None
-        mod, owner, func = found
+        i, mod, owner, func = found
+        params = function_params(func)
+        forwarded = forwards_to_super(func, name)
+        while forwarded:
+            nxt = self._method_from(mro, i + 1, name)
+            if nxt is None:
+                break
+            i, _, _, parent = nxt
+            params = _merge_forwarded(params, function_params(parent), _setdefaults(func, params))
+            func, forwarded = parent, forwards_to_super(parent, name)
         return MethodSignature(
             method=name,
             owner=f"{mod}.{owner.name}",
-            lineno=func.lineno,
-            params=function_params(func),
-            decorators=tuple(ast.unparse(d) for d in func.decorator_list),
+            lineno=found[3].lineno,
+            params=params,
+            decorators=tuple(ast.unparse(d) for d in found[3].decorator_list),
         )
+
+    @staticmethod
+    def _method_from(mro, start: int, name: str):
+        for i in range(start, len(mro)):
+            mod, node = mro[i]
+            for stmt in node.body:
+                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == name:
+                    return i, mod, node, stmt
+        return None
+
+
+def forwards_to_super(func: ast.FunctionDef, name: str) -> bool:
+    """The body calls super().<name>(...) handing on its own *args and/or **kwargs."""
+    var = {a.arg for a in (func.args.vararg, func.args.kwarg) if a is not None}
+    if not var:
+        return False
+    for node in ast.walk(func):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name):
+            continue
+        target = node.func.value
+        if not (isinstance(target, ast.Call) and isinstance(target.func, ast.Name) and target.func.id == "super"):
+            continue
+        handed = {a.value.id for a in node.args if isinstance(a, ast.Starred) and isinstance(a.value, ast.Name)}
+        handed |= {k.value.id for k in node.keywords if k.arg is None and isinstance(k.value, ast.Name)}
+        if handed & var:
+            return True
+    return False
+
+
+def _setdefaults(func: ast.FunctionDef, params: Sequence[Param]) -> Dict[str, str]:
+    """{parameter: default source} the body sets with <kwargs>.setdefault("p", v) before handing kwargs on."""
+    kwarg = func.args.kwarg.arg if func.args.kwarg is not None else None
+    out: Dict[str, str] = {}
+    for node in ast.walk(func):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setdefault"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == kwarg and len(node.args) == 2
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            out[node.args[0].value] = ast.unparse(node.args[1])
+    return out
+
+
+def _merge_forwarded(own: Sequence[Param], parent: Sequence[Param], defaults: Dict[str, str]) -> Tuple[Param, ...]:
+    """own's named parameters, then the parent's the caller reaches through own's *args / **kwargs (positional
+    ones first, keyword-only after own's), each parent default replaced by a setdefault of own's body."""
+    named = {p.name for p in own if p.kind not in ("var_positional", "var_keyword")}
+    takes_args = any(p.kind == "var_positional" for p in own)
+    takes_kwargs = any(p.kind == "var_keyword" for p in own)
+
+    def inherited(p: Param) -> Param:
+        if p.name in defaults:
+            return dataclasses.replace(p, default=defaults[p.name])
+        return p
+
+    positional, keyword, tail = [], [], []
+    for p in parent:
+        if p.name in named:
+            continue
+        if p.kind in ("positional_only", "positional_or_keyword"):
+            if takes_args or (takes_kwargs and p.kind == "positional_or_keyword"):
+                positional.append(inherited(p) if takes_args else dataclasses.replace(inherited(p), kind="keyword_only"))
+        elif p.kind == "keyword_only" and takes_kwargs:
+            keyword.append(inherited(p))
+        elif p.kind in ("var_positional", "var_keyword"):
+            tail.append(p)
+    mine = [p for p in own if p.kind not in ("var_positional", "var_keyword")]
+    own_positional = [p for p in mine if p.kind in ("positional_only", "positional_or_keyword")]
+    own_keyword = [p for p in mine if p.kind == "keyword_only"]
+    return tuple(own_positional + [p for p in positional if p.kind != "keyword_only"] + own_keyword
+                 + [p for p in positional if p.kind == "keyword_only"] + keyword + tail)

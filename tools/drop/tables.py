@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List
 
-__all__ = ["StaleEntry", "stale_entries", "render_stale"]
+__all__ = ["StaleEntry", "stale_entries", "table_entries", "render_stale"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,13 @@ class StaleEntry:
     key: str
     drop: str  # the version the entry was measured on
     drop_sha256: str
+
+
+def table_entries(repo_root: Path, tree: str) -> int:
+    """How many entries the shipped tables of `tree` hold (0: no table ships)."""
+    folder = Path(repo_root) / "shim" / tree / "tables"
+    return sum(len(json.loads(p.read_text()).get("entries", {})) for p in sorted(folder.glob("*.json"))) \
+        if folder.is_dir() else 0
 
 
 def stale_entries(repo_root: Path, tree: str, sha256: str) -> List[StaleEntry]:
@@ -36,9 +43,13 @@ def stale_entries(repo_root: Path, tree: str, sha256: str) -> List[StaleEntry]:
     return out
 
 
-def render_stale(entries: List[StaleEntry], tree: str, version: str) -> str:
+def render_stale(entries: List[StaleEntry], tree: str, version: str, shipped: int = 1) -> str:
+    """The [tables] line: `shipped` is how many entries the tree's tables hold (table_entries)."""
+    if not shipped:
+        return f"[tables] no knob table ships for {tree}: nothing to retune\n"
     if not entries:
-        return f"[tables] every shipped {tree} knob table entry was measured on this drop ({version})\n"
+        return (f"[tables] every shipped {tree} knob table entry ({shipped}) was measured on this drop "
+                f"({version})\n")
     tables = sorted({e.table for e in entries})
     drops = sorted({e.drop for e in entries})
     lines = [f"[tables] STALE: {len(entries)} shipped knob table entr{'y' if len(entries) == 1 else 'ies'} in "

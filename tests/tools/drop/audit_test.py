@@ -131,6 +131,9 @@ def test_removed_launch_argument_breaks_every_backend(world, tmp_path):
 
 
 def test_removed_parameter_nobody_passes_is_a_warning(world, tmp_path):
+    repo, _ = world
+    # A shim that leaves dedup_dispatch to the drop (its own audit warns of that), then a drop without it.
+    synthetic.edit(repo, "shim/sm90/fp8_frontend.py", " dedup_dispatch=False,", "")
     result = audit_of_edits(world, tmp_path, (KERNEL, "        dedup_dispatch: bool = False,\n", ""))
     assert findings(result, "break", "warn") == [
         ("warn", "signatures", f"{cls}.__init__(dedup_dispatch)",
@@ -138,6 +141,92 @@ def test_removed_parameter_nobody_passes_is_a_warning(world, tmp_path):
         for cls in ("Sm90MegaMoEFp8Kernel", "Sm90MegaMoESwapABFp8Kernel")
     ]
     assert result.exit_code() == EXIT_OK
+
+
+# ---- a parameter the shim does not pass is a decision: behaviour, not only signatures ---------------------------
+
+NEW_DEFAULTED = (KERNEL, "        fc1_store_offload: bool = True,\n",
+                 "        fc1_store_offload: bool = True,\n        swiglu_limit: Optional[float] = 7.0,\n")
+
+
+def test_a_new_parameter_with_a_default_nobody_passes_breaks_until_the_shim_pins_it(world, tmp_path):
+    result = audit_of_edits(world, tmp_path, NEW_DEFAULTED)
+    got = [f for f in result.findings if f.status == "break"]
+    assert [f.subject for f in got] == [f"{c}.__init__(swiglu_limit)" for c in ("Sm90MegaMoEFp8Kernel",
+                                                                                "Sm90MegaMoESwapABFp8Kernel")]
+    for f in got:
+        assert f.detail == ("added: new optional parameter swiglu_limit: Optional[float] = 7.0; changes behaviour "
+                            "unless the shim pins it: no shim line passes swiglu_limit for sm90_fp8 (pass the value "
+                            "the shim wants, then accept the contract)")
+        # Where the FP8 layer's constructor arguments are collected: the arch's and the format's.
+        assert f.sites == ("shim/sm90/fp8_frontend.py:13", "shim/sm90/frontend.py:17") and f.pairs == (FP8,)
+    assert result.exit_code() == EXIT_SOME_BREAK
+
+
+def test_a_new_parameter_the_shim_pins_is_a_note(world, tmp_path):
+    repo, _ = world
+    synthetic.edit(repo, "shim/sm90/fp8_frontend.py", "fc1_store_offload=True)",
+                   "fc1_store_offload=True, swiglu_limit=None)")
+    result = audit_of_edits(world, tmp_path, NEW_DEFAULTED)
+    assert [(f.status, f.detail) for f in result.findings if f.subject.endswith("(swiglu_limit)")] == [
+        ("note", "added: new optional parameter swiglu_limit: Optional[float] = 7.0; the shim pins it: accept the "
+                 "contract")] * 2
+    assert result.exit_code() == EXIT_OK
+
+
+def test_a_changed_default_breaks_where_the_shim_relies_on_it_and_not_where_it_pins_it(world, tmp_path):
+    repo, _ = world
+    synthetic.edit(repo, "shim/sm90/fp8_frontend.py", " dedup_dispatch=False,", "")
+    result = audit_of_edits(world, tmp_path, (KERNEL, "dedup_dispatch: bool = False", "dedup_dispatch: bool = True"),
+                            (KERNEL, "fc1_store_offload: bool = True", "fc1_store_offload: bool = False"))
+    by = {f.subject: f for f in result.findings if f.subject.startswith("Sm90MegaMoEFp8Kernel.__init__")}
+    relied, pinned = by["Sm90MegaMoEFp8Kernel.__init__(dedup_dispatch)"], by["Sm90MegaMoEFp8Kernel.__init__(fc1_store_offload)"]
+    assert relied.status == "break" and relied.pairs == (FP8,)
+    assert relied.detail.startswith("redefaulted: default False -> True; changes behaviour unless the shim pins it")
+    assert pinned.status == "note" and pinned.detail == "redefaulted: default True -> False; the shim pins it: accept the contract"
+
+
+def test_a_default_the_shim_relies_on_is_a_warning_in_its_own_audit(world):
+    repo, old = world
+    synthetic.edit(repo, "shim/sm90/fp8_frontend.py", " dedup_dispatch=False,", "")
+    result = audit(repo, old, old)
+    assert findings(result, "break", "warn") == [
+        ("warn", "signatures", f"{c}.__init__(dedup_dispatch)",
+         "the shim relies on the drop's default dedup_dispatch = False for sm90_fp8: pass it explicitly, so that a "
+         "drop that changes it is a break the audit names") for c in ("Sm90MegaMoEFp8Kernel", "Sm90MegaMoESwapABFp8Kernel")]
+
+
+def test_a_new_default_of_a_class_the_shim_never_calls_is_a_note(world, tmp_path):
+    repo, old = world
+    # The shim names the base class (as sm100's names an epilogue class for its constants) but never calls it.
+    synthetic.edit(repo, "shim/sm90/kernel_symbols.py", '    "Helper":', '    "BaseGemm": ("moe_hopper_fp8.base_kernel", '
+                   '"BaseGemm"),\n    "Helper":')
+    index = DropIndex(old)
+    contract_mod.save_contract(contract_mod.contract_path(repo, "sm90"),
+                               contract_mod.build_contract(index, lazy_tables(repo, "sm90"), "sm90", "1.0"))
+    result = audit_of_edits(world, tmp_path, ("moe_hopper_fp8/base_kernel.py", 'accum_mode="1xacc"):',
+                                              'accum_mode="1xacc", swiglu_limit=7.0):'))
+    assert [(f.status, f.detail) for f in result.findings if f.subject == "BaseGemm.__init__(swiglu_limit)"] == [
+        ("note", "added: new optional parameter swiglu_limit = 7.0; the shim never calls it")]
+    assert result.exit_code() == EXIT_OK
+
+
+def test_a_constructor_that_hands_kwargs_on_takes_what_its_base_takes(world, tmp_path):
+    # The swap-AB class grows a constructor of its own that forwards to the FP8 one (as 0.7.4's W4A8 kernel does):
+    # its own new parameter is a decision, the base's parameters stay visible, a setdefault is a new default.
+    forwarding = ("class Sm90MegaMoESwapABFp8Kernel(Sm90MegaMoEFp8Kernel):\n    pass\n",
+                  "class Sm90MegaMoESwapABFp8Kernel(Sm90MegaMoEFp8Kernel):\n"
+                  "    def __init__(self, *args, tail_n8=False, **kwargs):\n"
+                  "        kwargs.setdefault(\"dedup_dispatch\", True)\n"
+                  "        super().__init__(*args, **kwargs)\n")
+    result = audit_of_edits(world, tmp_path, (KERNEL,) + forwarding)
+    swap = {f.subject: f for f in result.findings if f.subject.startswith("Sm90MegaMoESwapABFp8Kernel.__init__")}
+    assert set(swap) == {"Sm90MegaMoESwapABFp8Kernel.__init__(tail_n8)",
+                         "Sm90MegaMoESwapABFp8Kernel.__init__(dedup_dispatch)"}
+    assert swap["Sm90MegaMoESwapABFp8Kernel.__init__(tail_n8)"].status == "break"
+    assert swap["Sm90MegaMoESwapABFp8Kernel.__init__(dedup_dispatch)"].status == "note"  # the shim passes False
+    assert swap["Sm90MegaMoESwapABFp8Kernel.__init__(dedup_dispatch)"].detail.startswith(
+        "redefaulted: default False -> True")
 
 
 def test_rename_needs_evidence(world, tmp_path):
@@ -261,8 +350,7 @@ def test_value_nothing_decides_is_unchecked_not_a_break(world):
 
 def test_shim_passing_a_name_the_kernel_lacks_is_flagged(world):
     repo, old = world
-    synthetic.edit(repo, "shim/sm90/fp8_frontend.py", "fp8_accum_mode=knobs.accum_mode)",
-                   "fp8_accum_mode=knobs.accum_mode, fp8_scale=1)")
+    synthetic.edit(repo, "shim/sm90/fp8_frontend.py", "fc1_store_offload=True)", "fc1_store_offload=True, fp8_scale=1)")
     result = audit(repo, old, old)
     assert ("warn", "calls", "Sm90MegaMoEFp8Kernel.__init__(fp8_scale)",
             "the shim passes fp8_scale, which moe_hopper_fp8.megamoe_kernel_fp8.Sm90MegaMoEFp8Kernel.__init__ "

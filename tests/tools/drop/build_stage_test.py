@@ -55,7 +55,7 @@ def breaks(result, section):
 
 def build(repo: Path, tree: Path, pairs, capacities=build_stage.RESOLVE_CAPACITIES, compile_at=()):
     jobs = build_stage.plan_jobs(repo, "sm90", pairs, resolve_capacities=capacities, compile=bool(compile_at),
-                                 compile_capacities=compile_at, tables=False)
+                                 compile_capacities=compile_at, tables=False, numbers=False)
     return build_stage.run_build(repo, SM90, tree, jobs, log=lambda m: None)
 
 
@@ -135,9 +135,9 @@ def test_a_static_break_that_builds_is_a_warning_with_its_reason(repo, pinned):
     assert "static check only: sm90_fp8_cutedsl resolve(s) and compile(s) against this drop" in got["reads"].detail
     assert got["knobs"].status == "break"  # values the build did not try
     rows = [line.split() for line in render_summary(result).splitlines()]
-    assert ["backend", "format", "static", "resolve", "compile", "verdict"] in rows
-    assert ["sm90_fp8_cutedsl", "fp8_block", "BREAK", "1", "-", "ok", "(1,", "7", "s", "max)", "BREAK"] in rows
-    assert ["sm90_bf16_cutedsl", "bf16", "ok", "-", "-", "ok"] in rows
+    assert ["backend", "format", "static", "resolve", "compile", "numbers", "verdict"] in rows
+    assert ["sm90_fp8_cutedsl", "fp8_block", "BREAK", "1", "-", "ok", "(1,", "7", "s", "max)", "-", "BREAK"] in rows
+    assert ["sm90_bf16_cutedsl", "bf16", "ok", "-", "-", "-", "ok"] in rows
 
 
 def test_a_comment_only_drop_builds_clean_statically(repo, pinned, tmp_path):

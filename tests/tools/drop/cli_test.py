@@ -24,9 +24,11 @@ SHA_B = "b" * 64
 PREFIX = synthetic.WHEEL_PREFIX_SM90
 MOVED = "flashinfer/moe_ep/kernel_src/hopper/cutedsl_megamoe/src"
 KERNEL = "moe_hopper_fp8/megamoe_kernel_fp8.py"
-# The synthetic shim is source only (it raises on import): the build stage, which runs the shim against the tree,
-# has its own test on the real shim and tree (build_stage_test).
+# The synthetic shim is source only (it raises on import), so the build stage, which runs the shim against the tree,
+# is left out of these runs (no child is started); it has its own tests on the real shim and tree
+# (build_stage_test, binary_test). What --static-only does is tested apart.
 STATIC = "--static-only"
+_REAL_BUILD = cli._build
 
 
 @pytest.fixture(autouse=True)
@@ -35,6 +37,7 @@ def _isolated(monkeypatch):
     for var in ("MOE_EP_SM90_TREE", "MOE_EP_SM100_TREE", "MOE_EP_DROP_CACHE", "BUILD_WORKSPACE_DIRECTORY",
                 "BUILD_WORKING_DIRECTORY", "RUNFILES_DIR", "TEST_SRCDIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(cli, "_build", lambda *args, **kwargs: None)
 
 
 # ---- pins -------------------------------------------------------------------
@@ -90,7 +93,7 @@ def repo_and_drops(tmp_path):
 
 def test_audit_exit_codes(repo_and_drops, tmp_path, capsys):
     repo, old, new = repo_and_drops
-    args = ["--repo", str(repo), "audit", "--tree", "sm90", "--tree-root", str(new), "--against", str(old), STATIC]
+    args = ["--repo", str(repo), "audit", "--tree", "sm90", "--tree-root", str(new), "--against", str(old)]
     assert cli.main(args) == 0
     assert not (repo / "docs").exists()  # an audit only shows, unless --report PATH
     shutil.rmtree(new / "moe_hopper_bf16")
@@ -156,8 +159,7 @@ def bump_world(tmp_path):
 
 
 def run(repo: Path, cache: Path, *args: str) -> int:
-    static = [STATIC] if args and args[0] in ("audit", "bump") else []
-    return cli.main(["--repo", str(repo), "--cache-dir", str(cache), *args, *static])
+    return cli.main(["--repo", str(repo), "--cache-dir", str(cache), *args])
 
 
 def bump(repo, cache, version, *extra):
@@ -386,11 +388,41 @@ def test_audit_sees_strays_behind_bazel_runfiles_links(bump_world, tmp_path):
         (links / rel).parent.mkdir(parents=True, exist_ok=True)
         (links / rel).symlink_to(real / rel)
     assert cli.real_tree_dir(links) == real
+    # The runfiles of the real binary hold only what the BUILD file globs: no carrier.json to follow.
+    bare = tmp_path / "runfiles2" / "cutedsl_megamoe_sm90"
+    for rel in synthetic.BASE_DROP:
+        (bare / rel).parent.mkdir(parents=True, exist_ok=True)
+        (bare / rel).symlink_to(real / rel)
+    assert cli.real_tree_dir(bare) == real
     (real / "src" / "__pycache__").mkdir()
     (real / "src" / "__pycache__" / "sym_buffer.cpython-311.pyc").write_text("stale")
     # Not in the links (the BUILD globs leave __pycache__ out), but in the directory behind them.
     assert run(repo, cache, "audit", "--tree", "sm90", "--tree-root", str(links), "--report", str(tmp_path / "r.md")) == 0
     assert "src/__pycache__/sym_buffer.cpython-311.pyc | compiled file in the tree" in (tmp_path / "r.md").read_text()
+
+
+def test_static_only_is_no_verdict_of_compatibility(bump_world, tmp_path, monkeypatch, capsys):
+    repo, cache = bump_world
+    monkeypatch.setattr(cli, "_build", _REAL_BUILD)
+    before = synthetic.snapshot(repo)
+    w2 = wheel(cache, "2.0", drop_files())
+    assert bump(repo, cache, "2.0", "--sha256", sha256_file(w2), STATIC) == 2
+    assert "a bump pins the drop, and the source checks alone cannot say it is compatible" in capsys.readouterr().err
+    assert synthetic.snapshot(repo) == before
+    # An audit may stop at the sources, and says what it did not check.
+    assert run(repo, cache, "audit", "--tree", "sm90", "--version", "2.0", STATIC, "--report", str(tmp_path / "r.md")) == 0
+    out = capsys.readouterr().out
+    assert "REVIEW: 0 break, 1 warn" in out
+    assert "--static-only: no knob was resolved, no number checked, nothing compiled" in (tmp_path / "r.md").read_text()
+
+
+def test_bump_refuses_byte_code_in_the_tree_it_would_pin(bump_world, capsys):
+    repo, cache = bump_world
+    w2 = wheel(cache, "2.0", dict(drop_files(), **{"src/stray.pyc": "b"}))
+    assert bump(repo, cache, "2.0", "--sha256", sha256_file(w2)) == 2
+    err = capsys.readouterr().err
+    assert "the wheel ships compiled files in its tree (['src/stray.pyc'], extracted at " in err
+    assert "a drop is pinned as Python sources" in err
 
 
 # ---- the cache, hand-overs, tree finding ------------------------------------------------------------
@@ -412,7 +444,7 @@ def test_a_run_leaves_nothing_in_its_working_directory(tmp_path, monkeypatch):
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cli.main(["--repo", str(repo), "audit", "--tree", "sm90", "--wheel", str(handed), STATIC]) == 0
+    assert cli.main(["--repo", str(repo), "audit", "--tree", "sm90", "--wheel", str(handed)]) == 0
     assert list(cwd.iterdir()) == []
     assert fetch.cached_wheel("1.0", tmp_path / "xdg" / "megamoe-ep" / "drop") is not None
 
@@ -481,7 +513,7 @@ def test_suggested_commands_repeat_the_options_used(bump_world, tmp_path, capsys
     for line in lines:
         assert f"--strip-prefix {MOVED}" in line and f"--cache-dir {cache}" in line and f"--repo {repo}" in line
     # The suggested check runs as printed and sees the same breaking drop.
-    assert cli.main(lines[0].split() + [STATIC]) == 3
+    assert cli.main(lines[0].split()) == 3
 
 
 if __name__ == "__main__":

@@ -285,7 +285,8 @@ FP8_FRONTEND = textwrap.dedent(
             return ks.Sm90MegaMoEFp8Kernel, ks.SwapAB
 
         def format_kwargs(self, knobs):
-            return dict(load_balance_mode="static", fp8_accum_mode=knobs.accum_mode)
+            return dict(load_balance_mode="static", fp8_accum_mode=knobs.accum_mode, dedup_dispatch=False,
+                        fc1_store_offload=True)
 
         def activation_args(self, x):
             return dict(activation=x, activation_sf=self.scales)
@@ -460,6 +461,7 @@ def sibling_fork(files: Dict[str, str], drop_package: str = "moe_hopper_bf16") -
 
 HEURISTIC = "moe_hopper_fp8/heuristic_config.py"
 FP8_KERNEL = "moe_hopper_fp8/megamoe_kernel_fp8.py"
+MXFP4 = "moe_hopper_fp8/mxfp4_cutedsl.py"
 
 HOPPER_EDITS = {
     # select_heuristic_config grows a required parameter: every FP8 layer fails with a TypeError.
@@ -482,6 +484,26 @@ HOPPER_EDITS = {
     "launch_parameter_inserted": [
         (FP8_KERNEL, "        topk_weights: cute.Tensor,         # (T, num_topk) Float32\n",
          "        topk_weights: cute.Tensor,         # (T, num_topk) Float32\n        routing_bias: cute.Tensor,\n", 1),
+    ],
+    # The FP8 kernels' own gate/up interleave moves to 16 while the shared constant the shim reads stays 8 (the W4A8
+    # kernel inherits it): FC1's rows would be paired wrongly on every FP8 and W4A8 layer, and everything compiles.
+    "interleave_in_kernel_class": [
+        ("moe_hopper_fp8/kernel_fp8_glu_fc12.py", "    GateUpInterleave: int = Fp8GateUpInterleave\n",
+         "    GateUpInterleave: int = 16\n", 1),
+        ("moe_hopper_fp8/kernel_fp8_glu_fc12_swapab.py", "    GateUpInterleave: int = Fp8GateUpInterleave\n",
+         "    GateUpInterleave: int = 16\n", 1),
+    ],
+    # The W4A8 converter's exponent window one binade up: its four lookup constants, nothing else; every weight
+    # doubles, and the compiled kernel differs from 0.7.4 only in those constants.
+    "mxfp4_window_one_binade_up": [
+        (MXFP4, ", 0x08080800, 0x0c080000;", ", 0x08080800, 0x14100800;", 2),
+        (MXFP4, ", 0x08080808, 0x1c181410;", ", 0x08080808, 0x24201c18;", 2),
+    ],
+    # A new constructor parameter with a default that changes what the kernel computes (a SwiGLU clamp at 7.0 while
+    # the layer's spec says none): it compiles, and it binds, so only a policy on unpassed parameters catches it.
+    "swiglu_limit_default": [
+        (FP8_KERNEL, "        tail_split_pairs: bool = False,\n    ) -> None:\n",
+         "        tail_split_pairs: bool = False,\n        swiglu_limit: Optional[float] = 7.0,\n    ) -> None:\n", 1),
     ],
     # A comment: new bytes, nothing else.
     "comment_only": [

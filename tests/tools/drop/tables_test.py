@@ -34,7 +34,9 @@ def test_no_tables_or_all_current(tmp_path):
     assert stale_entries(tmp_path, "sm90", NEW) == []
     _table(tmp_path, {f"k/drop={NEW[:16]}": _entry(NEW, "0.7.4")})
     assert stale_entries(tmp_path, "sm90", NEW) == []
-    assert "every shipped sm90 knob table entry" in render_stale([], "sm90", "0.7.4")
+    assert "every shipped sm90 knob table entry (1) was measured" in render_stale([], "sm90", "0.7.4", 1)
+    # A tree with no table at all is not one whose entries all match (sm100 ships none).
+    assert render_stale([], "sm100", "0.7.4", 0) == "[tables] no knob table ships for sm100: nothing to retune\n"
 
 
 def test_the_shipped_tables_of_this_checkout_match_the_pin():

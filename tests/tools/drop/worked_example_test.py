@@ -1,19 +1,19 @@
 """docs/drop/worked-example-sm90.md is what the README's procedure does now, run step by step by this test.
 
-The steps run the tool's command line on a sandbox copy of this checkout (its shim, moe_ep, tools, pins and
-contracts) with two wheels made from the pinned Hopper tree (tests/tools/drop/synthetic.py, deterministic: the same
-tree gives the same bytes and hashes): A holds the tree as it is, B the tree without its BF16 package (as
-0.7.2.post1, which predates it). Every number in the page comes from the same run, so its tables and its verdict
-lines cannot disagree; the test fails when the committed page is not what the run gives.
+The steps run the real `//tools:drop` binary as `bazel run` starts it (tests/tools/drop/binary.py: its exit codes
+are the ones the page shows) on a sandbox copy of this checkout (its shim, moe_ep, tools, pins and contracts) with
+two wheels made from the pinned Hopper tree (tests/tools/drop/synthetic.py, deterministic: the same tree gives the
+same bytes and hashes): A holds the tree as it is, B the tree without its BF16 package (as 0.7.2.post1, which
+predates it). Every number in the page comes from the same run, so its tables and its verdict lines cannot
+disagree; the test fails when the committed page is not what the run gives.
 
-    python -m tests.tools.drop.worked_example_test --write     # regenerate the page after a change
+    bazel build //tools:drop && python -m tests.tools.drop.worked_example_test --write   # regenerate the page
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import io
+import os
 import shutil
 import sys
 import tempfile
@@ -24,12 +24,13 @@ import pytest
 
 from shim.common.tree_facts import TREES
 from tests.tools.drop import synthetic
+from tests.tools.drop.binary import run_drop
 from tools.drop import cli
 from tools.drop.fetch import default_cache_dir, sha256_file
 from tools.drop.trees import find_repo_root
 
 DOC = Path("docs") / "drop" / "worked-example-sm90.md"
-REFRESH = "python -m tests.tools.drop.worked_example_test --write"
+REFRESH = "bazel build //tools:drop && python -m tests.tools.drop.worked_example_test --write"
 SM90 = TREES["sm90"]
 A, B = "0.7.4.dev1", "0.7.5.dev1"
 
@@ -48,16 +49,16 @@ def _sub(text: str, subs: List[Tuple[str, str]]) -> str:
     return text
 
 
-def _run(args: List[str], subs: List[Tuple[str, str]]) -> Tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(args)
+def _run(repo: Path, box: Path, args: List[str], subs: List[Tuple[str, str]]) -> Tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in {t.env_var for t in TREES.values()}}
+    run = run_drop(repo, args, cwd=box, env=env)
 
     def clean(text: str) -> str:
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("INFO: "))
         text = _sub(text, subs)
         return text.rstrip() + "\n" if text.strip() else ""
 
-    return code, clean(out.getvalue()), clean(err.getvalue())
+    return run.code, clean(run.stdout), clean(run.stderr)
 
 
 def _verdict(stdout: str) -> str:
@@ -85,19 +86,20 @@ def generate(repo: Path) -> str:
         base = ["--repo", str(box), "--cache-dir", str(cache)]
         steps = [
             ("the pinned tree, handed over as wheel A: pinned", ["bump", "--tree", "sm90", "--wheel", str(wa),
-                                                                  "--sha256", sha_a, "--static-only"]),
+                                                                  "--sha256", sha_a, "--no-compile"]),
             ("wheel B with an announced hash it does not have", ["bump", "--tree", "sm90", "--wheel", str(wb),
-                                                                  "--sha256", sha_a, "--static-only"]),
-            ("preview of B: the audit with its build stage (knobs resolved at every bucket, no compile)",
-             ["audit", "--tree", "sm90", "--wheel", str(wb), "--sha256", sha_b, "--no-compile"]),
-            ("bump to B", ["bump", "--tree", "sm90", "--wheel", str(wb), "--sha256", sha_b, "--static-only"]),
-            ("back to A, by its version (the wheel cache holds it)", ["bump", "--tree", "sm90", "--version", A,
-                                                                      "--sha256", sha_a, "--static-only"]),
+                                                                  "--sha256", sha_a, "--no-compile"]),
+            ("preview of B: the audit with its build stage (knobs resolved at every bucket, the numbers checked, "
+             "no compile)", ["audit", "--tree", "sm90", "--wheel", str(wb), "--sha256", sha_b, "--no-compile"]),
+            ("bump to B (the preview's build stage read back)", ["bump", "--tree", "sm90", "--wheel", str(wb),
+                                                                 "--sha256", sha_b, "--no-compile"]),
+            ("back to A, by its version (the wheel cache holds it, the verdict cache its build stage)",
+             ["bump", "--tree", "sm90", "--version", A, "--sha256", sha_a, "--no-compile"]),
         ]
         runs = []
         for title, args in steps:
             before = synthetic.snapshot(box)
-            code, out, err = _run(base + args, subs)
+            code, out, err = _run(repo, box, base + args, subs)
             after = synthetic.snapshot(box)
             changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
             shown = " ".join(["--repo", "<checkout>", "--cache-dir", "<cache>"] + [_sub(a, subs) for a in args])
@@ -114,9 +116,10 @@ def generate(repo: Path) -> str:
         "tree without `moe_hopper_bf16` (as 0.7.2.post1, which predates the Hopper BF16 package). Taking B must break",
         "the BF16 backend and nothing else. The wheels' hashes are those of these synthetic files (which is also why",
         "the shipped knob tables read as stale: they are keyed by the real pin's hash); `<checkout>`, `<handover>` and",
-        "`<cache>` stand for the sandbox, the hand-over directory and the tool's cache. Steps other than the preview",
-        "pass `--static-only` to keep the run short; the preview shows the build stage (docs/drop-audit.md), here",
-        "without compiles (`--no-compile`).",
+        "`<cache>` stand for the sandbox, the hand-over directory and the tool's cache. Every step runs the build",
+        "stage (docs/drop-audit.md) without compiles (`--no-compile`, which the verdict marks as a warning) to keep",
+        "the run short; a bump right after an audit of the same tree, shim and plan reads its build stage back from",
+        "the cache.",
         "",
         "| step | command | exit | what changed in the checkout |",
         "|---|---|---|---|",
@@ -139,7 +142,13 @@ def generate(repo: Path) -> str:
               "backend or in code no registered backend runs; the FP8 backend stays `ok`. The verdict line counts each",
               "distinct break once: the per-backend counts plus those no backend runs (and, after a build stage, its",
               "own breaks) add up to it. Going back to A by its version needed no hand-over and no network: the",
-              "tool's wheel cache held it, checked against its hash again.", ""]
+              "tool's wheel cache held it, checked against its hash again."]
+    reread = [n for n, run in enumerate(runs, 1) if "read from the cache" in run[4]]
+    if reread:
+        lines += [f"Step{'s' if len(reread) > 1 else ''} {' and '.join(map(str, reread))} ran no build stage: "
+                  "the verdict of the same tree, shim and plan was read back from the tool's cache (a bump right "
+                  "after its preview, and a bump back to a tree built before)."]
+    lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
