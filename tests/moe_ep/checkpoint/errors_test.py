@@ -245,6 +245,10 @@ def test_gpt_oss_reports_say_bf16_cannot_hold_values_only_for_bf16(tmp_path):
     for fmt in ("w4a8_mxfp4", "mxfp8", "bf16"):  # mxfp8 and bf16 hold every e2m1 x e8m0 value: nothing to say
         r = ck.load_experts(1, fmt=fmt, allow_inexact=True).report
         assert not any("bf16" in n for n in r.notes) and (fmt == "w4a8_mxfp4") == (r.changed > 0), (fmt, r.notes)
+    scales[1] = 254  # 2^127 blocks: 4 and 6 times that overflow bf16 (and fp32): there the wording applies
+    synth.write(tmp_path / "huge", "gpt_oss_mxfp4", edit={name: scales})
+    r = checkpoint.Checkpoint(tmp_path / "huge").load_experts(1, fmt="bf16", allow_inexact=True).report
+    assert r.changed > 0 and any("bf16 cannot hold" in n for n in r.notes), r.notes
 
 
 def _nan_code(t):
