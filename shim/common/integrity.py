@@ -26,8 +26,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List
 
-__all__ = ["ADDED_FILES", "PINNED_MANIFEST", "TreeDiff", "TreeScan", "diff_files", "listed_dirs", "load_manifest",
-           "scan_tree", "tree_digests"]
+__all__ = ["ADDED_FILES", "PINNED_MANIFEST", "TreeDiff", "TreeScan", "diff_files", "legacy_init_files", "listed_dirs",
+           "load_manifest", "scan_tree", "tree_digests"]
 
 # Written inside the Bazel drop repository at fetch time, from the pinned manifest (drop_repo.bzl).
 PINNED_MANIFEST = "pinned.manifest.json"
@@ -37,6 +37,7 @@ _SKIP_DIRS = frozenset({"__pycache__"})
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 _NATIVE_SUFFIXES = tuple(sorted(set(importlib.machinery.EXTENSION_SUFFIXES) | {".so", ".pyd"}))
 _CHUNK = 1 << 20
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 def _sha256(path: str) -> str:
@@ -134,3 +135,11 @@ def diff_files(expected: Dict[str, str], actual: Dict[str, str]) -> TreeDiff:
         added=sorted(actual.keys() - expected.keys()),
         removed=sorted(expected.keys() - actual.keys()),
     )
+
+
+def legacy_init_files(diff: TreeDiff, digests: Dict[str, str]) -> List[str]:
+    """The added files when every difference is an empty `__init__.py` the manifest does not list (and the
+    directories they make), else []: what Bazel's legacy_create_init writes into a runfiles tree, not an edit."""
+    inits = [p for p in diff.added if p.rsplit("/", 1)[-1] == "__init__.py" and digests.get(p) == _EMPTY_SHA256]
+    others = [p for p in diff.added if p not in inits and not p.endswith("/")]
+    return inits if inits and not (others or diff.changed or diff.removed) else []

@@ -288,6 +288,16 @@ def _bazel_integrity_error(spec: TreeFacts, check: _Check) -> TreeIntegrityError
     foreign = _foreign_code(spec, check, True)
     if foreign is not None:
         return foreign
+    inits = _integrity.legacy_init_files(check.diff, check.scan.digests)
+    if inits:
+        return TreeIntegrityError(
+            "tree",
+            f"the {spec.arch} kernel tree at {check.root} holds {len(inits)} empty __init__.py file(s) no drop ships "
+            f"(first: {_where(check.root, inits[0])}): Bazel's legacy __init__.py, which py_binary/py_test write into "
+            f"the runfiles unless told not to; the fetched tree is unchanged. Load the Python rules from "
+            f"@megamoe_ep//tools/bazel:py.bzl (they set legacy_create_init = False), or add "
+            f"`build --incompatible_default_to_explicit_init_py` to your .bazelrc.",
+        )
     first = (check.diff.changed + check.diff.added + check.diff.removed)[:1]
     where = f" (first: {_where(check.root, first[0])})" if first else ""
     return TreeIntegrityError(

@@ -1,4 +1,5 @@
-"""Build-graph facts about the kernel trees, read from `bazel query` (nested Bazel).
+"""Build-graph facts about the kernel trees, read from `bazel query` (the nested Bazel server of conftest.py, shared
+with visibility_test.py in //tests/foundation:build_graph_test).
 
 1. Only //shim/... targets depend directly on a kernel package (the py_libraries of
    @cutedsl_megamoe_sm90 / @cutedsl_megamoe_sm100). The one exception is the deliberate
@@ -22,8 +23,8 @@ FIXTURE_PREFIX = "//tests/fixtures/visibility:"
 QUERY_FLAGS = ["--noimplicit_deps", "--keep_going=false"]
 
 
-def _query(expr, *flags):
-    proc = nested_bazel.bazel("query", [*QUERY_FLAGS, *flags, expr])
+def _query(server, expr, *flags):
+    proc = server.run("query", [*QUERY_FLAGS, *flags, expr])
     if proc.returncode != 0:
         pytest.fail(f"bazel query {expr!r} failed (exit {proc.returncode}):\n{nested_bazel.errors(proc)}", pytrace=False)
     return proc.stdout
@@ -57,17 +58,17 @@ def _universe():
 
 
 @pytest.fixture(scope="module")
-def graph():
+def graph(workspace_bazel):
     """(kind of every node, edges) of deps(//...), explicit dependencies only."""
     kinds = {}
     universe = _universe()
     everything = " + ".join([f"deps({universe})"] + [f"{prefix}:*" for prefix in TREES.values()])
-    for line in _query(everything, "--output=label_kind").splitlines():
+    for line in _query(workspace_bazel, everything, "--output=label_kind").splitlines():
         m = re.match(r"^(.+?) (?:rule )?(//\S*|@\S+)$", line.strip())
         if m:
             kinds[m.group(2)] = m.group(1)
     edges = collections.defaultdict(set)
-    for line in _query(f"deps({universe})", "--output=graph", "--nograph:factored").splitlines():
+    for line in _query(workspace_bazel, f"deps({universe})", "--output=graph", "--nograph:factored").splitlines():
         m = re.match(r'^\s*"([^"]+)"\s*->\s*"([^"]+)"', line)
         if m:
             edges[m.group(1)].add(m.group(2))
@@ -119,7 +120,8 @@ def test_no_target_depends_on_both_trees(graph):
     ours = [n for n in kinds if n.startswith("//")]
     reach = {tree: _reaches(edges, ours, _kernel_packages(kinds, tree)) for tree in TREES}
     both = sorted(n for n in reach["sm90"] & reach["sm100"] if kinds.get(n) != "test_suite")
-    fixtures = {f"{FIXTURE_PREFIX}both_trees", f"{FIXTURE_PREFIX}both_trees.one_tree"}
+    fixtures = {f"{FIXTURE_PREFIX}{name}{suffix}" for name in ("both_trees", "both_trees_through_data")
+                for suffix in ("", ".one_tree")}
     assert fixtures <= set(both), f"the query no longer sees the one-tree fixtures {sorted(fixtures)}: {both}"
     both = [n for n in both if n not in fixtures]
     assert not both, f"targets that depend on both kernel trees (one process can hold one tree): {both}"

@@ -1,10 +1,12 @@
 """The layering rule bites: Bazel rejects a dependency on a kernel package from outside //shim; and the
 one-tree rule bites: a target on both kernel trees fails its analysis.
 
-Builds (analysis only) the manual fixtures in //tests/fixtures/visibility with a nested Bazel:
+Builds (analysis only) the manual fixtures in //tests/fixtures/visibility with a nested Bazel (the server of
+conftest.py, shared with query_test.py in //tests/foundation:build_graph_test):
 the control target must pass, each violation must fail with Bazel's visibility error
-naming the kernel package and the offending target, and the binary on both arch targets must fail
-with the one-tree check's error naming both (tools/bazel/one_tree.bzl).
+naming the kernel package and the offending target (in its first error line, not its generated
+`<target>.one_tree` check's), and the binaries on both arch targets (through deps, and one arch
+through data) must fail with the one-tree check's error naming both (tools/bazel/one_tree.bzl).
 """
 
 import sys
@@ -23,13 +25,14 @@ VIOLATIONS = {
 
 CONTROL = f"{FIXTURES}:control_reads_tree_files"
 BOTH = f"{FIXTURES}:both_trees"
+BOTH_THROUGH_DATA = f"{FIXTURES}:both_trees_through_data"
 
 
 @pytest.fixture(scope="module")
-def analysis():
+def analysis(workspace_bazel):
     """One nested analysis of every fixture (--keep_going: each one's outcome is reported): its stderr."""
-    proc = nested_bazel.bazel("build", ["--nobuild", "--symlink_prefix=/", "--keep_going", CONTROL, BOTH,
-                                        *sorted(VIOLATIONS)])
+    proc = workspace_bazel.run("build", ["--nobuild", "--symlink_prefix=/", "--keep_going", CONTROL, BOTH,
+                                         BOTH_THROUGH_DATA, *sorted(VIOLATIONS)])
     if proc.returncode == 0:
         pytest.fail("every fixture analysed, the violations included", pytrace=False)
     return proc
@@ -50,8 +53,12 @@ def test_kernel_dependency_outside_shim_is_rejected(analysis, target):
     kernel = VIOLATIONS[target]
     if not _not_built(analysis, target):
         pytest.fail(f"{target} depends on {kernel} from outside //shim and still built", pytrace=False)
-    # Reported from the target itself or from its one-tree check (`<target>.one_tree`, analysed first: same deps).
-    expected = f"target '{kernel}' is not visible from target '{target}"
+    # Reported by the target itself, and by nothing else: its one-tree check (`<target>.one_tree`) takes a direct
+    # kernel dependency as a string, so the first error line names the target that declared it.
+    expected = f"target '{kernel}' is not visible from target '{target}'"
+    errors = [l for l in analysis.stderr.splitlines() if l.startswith("ERROR") and target.rsplit(":", 1)[1] in l]
+    assert errors and expected in errors[0], f"the first error about {target} is not its visibility error: {errors}"
+    assert not [l for l in errors if f"{target}.one_tree" in l], errors
     if expected not in analysis.stderr:
         pytest.fail(
             f"{target} failed, but not with the visibility error ({expected!r}); nested bazel said:\n"
@@ -74,6 +81,17 @@ def test_a_target_on_both_trees_fails_analysis_naming_both(analysis):
         pytest.fail(f"{BOTH} failed, but its error lacks {missing}; nested bazel said:\n{nested_bazel.errors(analysis)}",
                     pytrace=False)
     assert f"not visible from target '{BOTH}" not in said  # refused by the one-tree check, not by visibility
+
+
+def test_a_target_reaching_the_other_tree_through_data_fails_analysis_too(analysis):
+    if not _not_built(analysis, BOTH_THROUGH_DATA):
+        pytest.fail(f"{BOTH_THROUGH_DATA} has the Blackwell kernels as data and the Hopper ones as deps, and still "
+                    "analysed", pytrace=False)
+    want = [f"{BOTH_THROUGH_DATA} depends on both kernel trees",
+            f"sm90 (Hopper): {BOTH_THROUGH_DATA} -> //moe_ep:moe_ep_hopper ->",
+            f"sm100 (Blackwell): {BOTH_THROUGH_DATA} -> //moe_ep:moe_ep_blackwell ->"]
+    missing = [w for w in want if w not in analysis.stderr]
+    assert not missing, f"the error lacks {missing}:\n{nested_bazel.errors(analysis)}"
 
 
 if __name__ == "__main__":

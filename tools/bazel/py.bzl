@@ -16,8 +16,13 @@ no per-package labels for PyPI packages: everything in the lock is importable by
 GPU tests: use gpu_py_test below; it tags each variant `gpu_<arch>` (plus `gpu`, `exclusive`),
 which the plain configuration filters out and --config=hopper / --config=blackwell select.
 
-One tree per process: every py_library / py_binary / py_test with deps carries a `<name>.one_tree` check
-(one_tree.bzl) that fails the target's analysis when its deps reach both kernel trees.
+One tree per process: every py_library / py_binary / py_test with deps or data carries a `<name>.one_tree` check
+(one_tree.bzl) that fails the target's analysis when its deps or data reach both kernel trees.
+
+No test that checks nothing: every py_test's main is //tools/bazel:pytest_runner.py with the test's files written in
+(`<name>.pytest_main.py`), which runs them under pytest and fails the target when no case ran (nothing collected, or
+everything skipped). The test's file is `main` when given, else its one source, else its sources named `*_test.py`
+(one pytest session: they share session fixtures), else `<name>.py`; a file's own `__main__` block is not used.
 """
 
 load("@bazel_tools//tools/python:toolchain.bzl", _py_runtime_pair = "py_runtime_pair")
@@ -38,11 +43,63 @@ def py_binary(name, **kwargs):
     kwargs.setdefault("legacy_create_init", False)
     native.py_binary(name = name, **with_one_tree_check(name, kwargs))
 
-def py_test(name, **kwargs):
+# The template of every py_test's main (see the module docstring). A Label: it resolves to this repository from an
+# engine's workspace too.
+_PYTEST_RUNNER = Label("//tools/bazel:pytest_runner.py")
+
+def _runfiles_path(ctx, f):
+    # "<repository>/<path>", the file's place under the runfiles root, for the main repository and external ones.
+    return f.short_path[3:] if f.short_path.startswith("../") else ctx.workspace_name + "/" + f.short_path
+
+def _pytest_main_impl(ctx):
+    out = ctx.actions.declare_file(ctx.label.name + ".py")
+    ctx.actions.expand_template(
+        template = ctx.file._runner,
+        output = out,
+        substitutions = {
+            "@TEST_FILES@": " ".join([_runfiles_path(ctx, f) for f in ctx.files.test_files]),
+            "@THIS_FILE@": _runfiles_path(ctx, out),
+        },
+    )
+    return [DefaultInfo(files = depset([out]))]
+
+_pytest_main = rule(
+    implementation = _pytest_main_impl,
+    attrs = {
+        "test_files": attr.label_list(allow_files = [".py"], mandatory = True),
+        "_runner": attr.label(default = _PYTEST_RUNNER, allow_single_file = True),
+    },
+    doc = "pytest_runner.py with one test's files written in: that test's main.",
+)
+
+def _test_files(name, srcs, main):
+    """The files a py_test runs: its main; else its one source; else its sources named *_test.py (one pytest
+    session); else <name>.py, Bazel's own default."""
+    if main != None:
+        return [main]
+    if len(srcs) == 1:
+        return srcs
+    return [s for s in srcs if s.endswith("_test.py")] or [name + ".py"]
+
+def py_test(name, srcs = [], main = None, **kwargs):
+    """A py_test whose files run under pytest_runner.py: at least one test case must run, or the test fails."""
+    runner = name + ".pytest_main"
+    _pytest_main(
+        name = runner,
+        test_files = _test_files(name, srcs, main),
+        testonly = True,
+        tags = [t for t in kwargs.get("tags", []) if t == "manual"],
+        visibility = ["//visibility:private"],
+    )
     kwargs.setdefault("python_version", "PY3")
     kwargs.setdefault("srcs_version", "PY3")
     kwargs.setdefault("legacy_create_init", False)
-    native.py_test(name = name, **with_one_tree_check(name, kwargs, testonly = True))
+    native.py_test(
+        name = name,
+        srcs = srcs + [":" + runner],
+        main = ":" + runner + ".py",
+        **with_one_tree_check(name, kwargs, testonly = True)
+    )
 
 def py_runtime(**kwargs):
     native.py_runtime(**kwargs)

@@ -5,7 +5,8 @@ Declared by megamoe_ep_repositories() (//:repositories.bzl) as @moe_ep_python, f
 inside its own external repository from that lock with
 
     <python3.11> -m venv venv
-    venv/bin/python -m pip install --require-hashes --no-deps --only-binary=:all: -r requirements.lock
+    venv/bin/python -m pip install --require-hashes --no-deps --only-binary=:all: --no-compile -r requirements.lock
+    venv/bin/python -m compileall -qq -j 0 venv/lib/python3.11/site-packages
 
 and exposes it as a Python toolchain (py_runtime with an absolute `interpreter_path`: a venv
 interpreter reached through a runfiles symlink would lose its pyvenv.cfg and with it the venv's
@@ -15,6 +16,11 @@ the hashes in the lock decide what is accepted. The repository is rebuilt when t
 Progress: the first build spends minutes here. pip runs with quiet = False and no progress bar, so
 its lines ("Collecting ...", "Downloading ... (N MB)", "Installing collected packages ...") stream
 into Bazel's output: visible in a terminal, a log file or CI alike, about two lines per package.
+
+Byte code: pip would compile the ~11,500 modules it installs one after another (over a minute of CPU: torch,
+transformers, sympy); compileall does the same on every core. Every test imports from these .pyc files and
+writes none of its own (PYTHONDONTWRITEBYTECODE=1), so they must be there. A module that does not compile
+(a package's own test data written for another Python) is skipped, as pip skips it.
 
 Base interpreter: $MOE_EP_PYTHON if set, else python3.11 on PATH. It must be CPython 3.11
 (the lock pins cp311 wheels, torch's CPU build among them).
@@ -113,6 +119,7 @@ def _python_env_impl(ctx):
             "--disable-pip-version-check",
             "--progress-bar",
             "off",
+            "--no-compile",
             "-r",
             ctx.path("requirements.lock"),
         ],
@@ -120,6 +127,11 @@ def _python_env_impl(ctx):
         timeout = 3600,
         quiet = False,
     )
+    ctx.report_progress("compiling the venv's byte code")
+    site = ctx.path("venv/lib/python%s/site-packages" % _PY_VERSION)
+
+    # Exit status ignored on purpose: see the module docstring (a file that does not compile is skipped).
+    ctx.execute([python, "-m", "compileall", "-qq", "-j", "0", site], timeout = 1800)
     freeze = _run(ctx, [python, "-m", "pip", "freeze", "--all", "--disable-pip-version-check"], "pip freeze")
     ctx.file("pip_freeze.txt", freeze.stdout, executable = False)
     ctx.file("WORKSPACE", "workspace(name = \"%s\")\n" % ctx.name, executable = False)

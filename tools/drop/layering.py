@@ -99,6 +99,12 @@ COMPUTED_IMPORT_ALLOWED: Dict[Tuple[str, str], str] = {
     ("moe_ep/split/engine.py", "importlib.import_module(module)"):
         "the split path's engine table resolves its literal 'module:attr' entries (ENGINES: moe_ep and shim modules, "
         "named by lazy strings as the backend registry names kernel backends)",
+    ("tools/launch/launcher.py", "runpy.run_module(argv[1], run_name='__main__', alter_sys=True)"):
+        "a forked CPU rank runs the module its launch was given (`-m module`), as `python -m` would: a test or tool "
+        "of this repo, itself scanned; the tree guard refuses kernel modules from anywhere else at run time",
+    ("tools/launch/launcher.py", "runpy.run_path(argv[0], run_name='__main__')"):
+        "a forked CPU rank runs the file its launch was given (`script.py`), as `python script.py` would: a test or "
+        "tool of this repo, itself scanned; the tree guard refuses kernel modules from anywhere else at run time",
 }
 
 # sys.path mutations outside shim/ that are allowed: (file, the statement or call as ast.unparse prints it) -> why.
@@ -107,6 +113,10 @@ SYS_PATH_ALLOWED: Dict[Tuple[str, str], str] = {
         "the FlashInfer comparison bench puts FlashInfer's own package (its bundle) on the path of its own process, "
         "on a GPU host; its kernel_src copies are drop packages under another name, which the tree guard refuses "
         "next to ours",
+    ("tools/launch/launcher.py", "sys.path.insert(0, os.getcwd())"):
+        "a forked CPU rank's sys.path[0] for `-m module`, what `python -m` puts there (the working directory)",
+    ("tools/launch/launcher.py", "sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))"):
+        "a forked CPU rank's sys.path[0] for `script.py`, what `python script.py` puts there (the script's folder)",
 }
 
 # Files outside shim/ that rules 1 and 5-7 leave alone, each with the reason: tests whose job is to get around

@@ -9,6 +9,15 @@ CPU, NCCL on CUDA). The command after `--` is pytest arguments, or `-m module ar
 
 From Python, launch_function() runs module:function (or path/to/file.py:function) on every rank and
 returns each rank's JSON-able return value; a failing rank raises RankFailure with every rank's output.
+CPU ranks that run a Python file or module (`script.py args`, `-m module args`, launch_function's worker) are
+forked from a server process that has imported torch once (multiprocessing's forkserver, one per launching
+process), and run it as `python` would (runpy, as __main__): a fresh interpreter per rank spent 2-4 s of CPU
+importing torch before doing anything, for every rank of every launch. Each forked rank still gets its own
+session, environment, working directory, sys.path[0], log and exit code, runs its atexit handlers at its end and
+waits for its non-daemon threads; torch's intra-op threads follow its OMP_NUM_THREADS. MOE_EP_LAUNCH_FORK=0
+starts fresh interpreters instead; CUDA ranks and `-c` commands always do. As with multiprocessing, a script
+that calls launch_function keeps its own top level under `if __name__ == "__main__":` (the forked ranks import
+the launching script's main module).
 
 Nothing hangs: when one rank fails the others get a grace period (they are usually blocked in a collective
 that can no longer finish) and are then killed; the whole launch has a wall-clock limit.
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,18 +132,154 @@ def launch(argv: Sequence[str], nproc: int, *, device: str = "cpu", timeout_s: f
                 kill_rank(p)
         for log in logs:
             log.close()
+        # The logs were read into the results: nothing of the launch stays in the temp dir.
+        shutil.rmtree(logdir, ignore_errors=True)
 
 
 def _spawn(cmd: Sequence[str], log_paths: Sequence[str], procs: list, logs: list, *, port: int, device: str,
            pg_timeout_s: float, env: Optional[Dict[str, str]], cwd: Optional[str]) -> None:
     """One rank a log path, each in a session of its own (kill_rank ends it with its children); appends to procs
-    and logs as it goes, so the caller's cleanup reaches every rank started before a failure."""
+    and logs as it goes, so the caller's cleanup reaches every rank started before a failure. CPU ranks of a Python
+    file or module are forked from the forkserver (see the module docstring)."""
+    fork = _forkable(cmd, device)
     for r, path in enumerate(log_paths):
         log = open(path, "w+b")
         logs.append(log)
-        procs.append(subprocess.Popen(list(cmd), env=_rank_env(r, len(log_paths), port, device, pg_timeout_s, env),
-                                      stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
-                                      start_new_session=True))
+        rank_env = _rank_env(r, len(log_paths), port, device, pg_timeout_s, env)
+        if fork:
+            procs.append(_ForkedRank.start(list(cmd[1:]), rank_env, path, cwd))
+            continue
+        procs.append(subprocess.Popen(list(cmd), env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True))
+
+
+# What the forkserver imports once, before any rank is forked from it: the expensive part of every rank's start.
+# (Not moe_ep: it reads some settings from the environment when imported, and each rank has its own.)
+_FORK_PRELOAD = ["torch"]
+
+
+def _forkable(cmd: Sequence[str], device: str) -> bool:
+    """[this interpreter, script.py | -m module, ...] on the CPU, unless MOE_EP_LAUNCH_FORK=0."""
+    if device != "cpu" or os.environ.get("MOE_EP_LAUNCH_FORK", "1") == "0" or len(cmd) < 2:
+        return False
+    if os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
+        return False
+    return (cmd[1] == "-m" and len(cmd) > 2) or cmd[1].endswith(".py")
+
+
+def _run_as_python(argv: List[str]) -> None:
+    """`python <argv>` for a file or a module, in this process: the same __main__, sys.argv and sys.path[0]."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _forked_rank_main(argv: List[str], env: Dict[str, str], log_path: str, cwd: Optional[str]) -> None:
+    """A forked rank: what `python <argv>` with env, its output to log_path and a session of its own would do, in a
+    process that already holds torch."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # Unbuffered like PYTHONUNBUFFERED=1 (a rank killed at the limit keeps its last lines in the log).
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    import torch
+
+    # torch read OMP_NUM_THREADS when the forkserver imported it; the rank's own value decides here.
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    code = 0
+    try:
+        _run_as_python(argv)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())  # what the interpreter does with an uncaught exception (moe_ep hooks it)
+        code = 1
+    # How the interpreter ends: wait for non-daemon threads, then the atexit handlers (moe_ep's teardown).
+    try:
+        import threading
+
+        threading._shutdown()
+        import atexit
+
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _short_mp_tempdir(mp_util) -> None:
+    """multiprocessing puts the forkserver's unix socket in a folder of its own under the temp dir, chosen once per
+    process; a socket path has at most 107 bytes, which a Bazel test's TMPDIR (its TEST_TMPDIR, deep in the
+    output base) alone can exceed. Choose that folder under /tmp then (multiprocessing removes it at exit)."""
+    if len(tempfile.gettempdir()) <= 48 or not os.access("/tmp", os.W_OK):
+        return
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        mp_util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+
+
+class _ForkedRank:
+    """A rank forked from the forkserver, with the part of subprocess.Popen's interface that launch() and
+    kill_rank() use."""
+
+    _context = None
+
+    def __init__(self, process):
+        self._process = process
+
+    @classmethod
+    def start(cls, argv: List[str], env: Dict[str, str], log_path: str, cwd: Optional[str]) -> "_ForkedRank":
+        if cls._context is None:
+            import multiprocessing
+            import multiprocessing.util
+
+            _short_mp_tempdir(multiprocessing.util)
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(_FORK_PRELOAD)
+            cls._context = ctx
+        process = cls._context.Process(target=_forked_rank_main, args=(argv, env, log_path, cwd), daemon=False)
+        process.start()
+        return cls(process)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+        return self._process.exitcode
 
 
 @dataclass
@@ -186,19 +332,28 @@ def launch_timed(cmd: Sequence[str], log_paths: Sequence[str], *, device: str, l
             log.close()
 
 
+def _signal(p, sig) -> None:
+    """sig to the rank's process group; to the rank alone if it has none yet (a forked rank is given its session
+    by its first statement)."""
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        os.kill(p.pid, sig)
+
+
 def kill_rank(p: subprocess.Popen, term_grace_s: float = 5.0, wait_s: float = 5.0) -> None:
     """End a rank started with start_new_session=True, children included: SIGTERM to its process group, SIGKILL
     if it is still there after term_grace_s (at once with 0); then wait up to wait_s for it to be reaped.
     Each rank leads its own session, so this reaches its children and nothing else."""
     try:
         if term_grace_s > 0:
-            os.killpg(p.pid, signal.SIGTERM)
+            _signal(p, signal.SIGTERM)
             try:
                 p.wait(timeout=term_grace_s)
                 return
             except subprocess.TimeoutExpired:
                 pass
-        os.killpg(p.pid, signal.SIGKILL)
+        _signal(p, signal.SIGKILL)
     except ProcessLookupError:
         pass
     try:

@@ -244,6 +244,30 @@ def test_bazel_tree_edited_after_fetch_is_refused_with_the_refetch_recipe(fresh,
     assert "bazel sync --only=cutedsl_megamoe_sm90" in text and "bazel clean --expunge" in text
 
 
+def test_bazel_legacy_init_files_are_named_as_such_not_as_edits(fresh, tmp_path):
+    # What py_binary / py_test write into the runfiles without --incompatible_default_to_explicit_init_py (or
+    # legacy_create_init = False): an empty __init__.py in every directory that lacks one, the tree's root too.
+    root = _bazel_tree(tmp_path, pinned=_manifest())
+    for rel in ("__init__.py", "moe_nvfp4_swapab/data/__init__.py"):
+        (root / rel).write_text("")
+    with pytest.raises(TreeIntegrityError) as info:
+        tree.activate("sm90")
+    text = str(info.value)
+    assert info.value.argument == "tree"
+    assert "2 empty __init__.py file(s)" in text and "Bazel's legacy __init__.py" in text, text
+    assert "--incompatible_default_to_explicit_init_py" in text and "@megamoe_ep//tools/bazel:py.bzl" in text
+    assert "modified" not in text and "bazel sync" not in text
+
+
+def test_legacy_init_files_beside_a_real_edit_are_an_edit(fresh, tmp_path):
+    root = _bazel_tree(tmp_path, pinned=_manifest())
+    (root / "__init__.py").write_text("")
+    (root / "moe_hopper_fp8" / "heuristic_config.py").write_text("HEURISTIC_CONFIGS = None\n")
+    with pytest.raises(TreeIntegrityError) as info:
+        tree.activate("sm90")
+    assert "Bazel's legacy" not in str(info.value) and "changed: moe_hopper_fp8/heuristic_config.py" in str(info.value)
+
+
 def test_bazel_and_env_with_the_same_content_use_the_bazel_tree(fresh, tmp_path, monkeypatch):
     root = _bazel_tree(tmp_path, pinned=_manifest())
     env = _write(tmp_path / "extracted" / "src")

@@ -4,7 +4,7 @@ an edited file is refused; an env-var tree that differs from the pinned Bazel tr
 unpinned, and then it alone serves.
 
 Each case runs in a fresh interpreter. No test target may depend on both trees (the build-graph rule,
-//tests/foundation:query_test), so the Hopper side here is a stand-in tree with the Hopper tree's
+//tests/foundation:build_graph_test), so the Hopper side here is a stand-in tree with the Hopper tree's
 top-level package names (declared unpinned: it matches no pin); the guard decides on names and paths, which is
 what the stand-in reproduces.
 """

@@ -121,3 +121,7 @@ def test_the_layout_is_a_permutation_not_a_copy():
     nib = torch.stack((packed & 15, packed >> 4), -1).reshape(-1)
     assert torch.equal((nib & 7).sort().values, (codes.reshape(-1) & 7).sort().values)
     assert int((nib & 8).count_nonzero()) == int((codes & 8).count_nonzero())
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -1,8 +1,8 @@
 """The drops the audit used to accept though every FP8 layer then fails (#26) are caught, each by the cheapest check
 that can: two by reading the sources, one by resolving knobs in a child process, and a launch that no longer binds
 by compiling there. Drops derived from the pinned Hopper tree (tests/tools/drop/synthetic.py), audited against the
-real shim of this checkout; the build children import this checkout (tagged local + external, like the pinned
-audit: it reads the live tree and is never cached).
+real shim of this checkout; the build children import this checkout (tagged local, like the pinned audit: it reads
+the live tree, and the source digest among its data reruns it when any source changes).
 """
 
 from __future__ import annotations
