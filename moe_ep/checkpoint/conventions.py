@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+import torch
 from typing import Callable, Dict, Optional, Tuple
 
 from moe_ep.checkpoint import convert_bf16, convert_fp4, convert_fp8
@@ -149,6 +151,18 @@ def _convert_gpt_oss(fmt, t, out, offset):
     return pack, report, {"gpt_oss": extras}
 
 
+def _convert_gpt_oss_bf16(fmt, t, out, offset):
+    from moe_ep.checkpoint.report import ExactnessReport
+
+    convert_fp4.check_biases(t.get("gate_up_bias"), t.get("down_bias"))
+    w13, w2 = convert_bf16.gpt_oss_bf16(t["gate_up"], t["down"], out=out)
+    extras = convert_fp4.GptOssExtras(
+        None if t.get("gate_up_bias") is None else torch.cat((t["gate_up_bias"][:, 0::2], t["gate_up_bias"][:, 1::2]),
+                                                              dim=1).float(),
+        None if t.get("down_bias") is None else t["down_bias"].float())
+    return (w13, w2), ExactnessReport("gpt_oss_bf16", "bf16", values=w13.numel() + w2.numel()), {"gpt_oss": extras}
+
+
 def _fused(key: str, suffix: str, dtypes: Tuple[str, ...], shape: Shape, **kw) -> Role:
     return Role(key, suffix, dtypes, shape, **kw)
 
@@ -181,6 +195,16 @@ CONVENTIONS: Dict[str, Convention] = {c.name: c for c in (
                           optional=True),
                    _fused("down_bias", "down_proj_bias", ("BF16", "F32"), lambda e, h, i: (e, h), optional=True)),
                re.compile(r"^gate_up_proj_blocks$"), lambda s: (s[2] * 32, s[1] // 2), _convert_gpt_oss, served=False,
+               caveat="expert biases and a clamped SwiGLU (alpha 1.702, limit 7, up + 1) moe_ep does not compute"),
+    Convention("gpt_oss_bf16", "gpt-oss experts in bf16 as transformers writes them (save_pretrained of a dequantized "
+                               "gpt-oss): gate_up_proj [E, H, 2I] transposed, gate/up interleaved by column, biases",
+               ("bf16",), False, (
+                   _fused("gate_up", "gate_up_proj", ("BF16",), lambda e, h, i: (e, h, 2 * i)),
+                   _fused("gate_up_bias", "gate_up_proj_bias", ("BF16", "F32"), lambda e, h, i: (e, 2 * i)),
+                   _fused("down", "down_proj", ("BF16",), lambda e, h, i: (e, i, h)),
+                   _fused("down_bias", "down_proj_bias", ("BF16", "F32"), lambda e, h, i: (e, h))),
+               re.compile(r"^gate_up_proj_bias$"), lambda s: (s[1], s[2] // 2), _convert_gpt_oss_bf16,
+               quantized=False, served=False,
                caveat="expert biases and a clamped SwiGLU (alpha 1.702, limit 7, up + 1) moe_ep does not compute"),
     Convention("hf_fused_bf16", "transformers 5 fused bf16: mlp.experts.gate_up_proj [E, 2I, H] + down_proj [E, H, I]",
                ("bf16",), False, (

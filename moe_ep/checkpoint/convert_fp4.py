@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from moe_ep.checkpoint.report import ExactnessReport
-from moe_ep.checkpoint.tensors import expect, expect_scales, new_pack
+from moe_ep.checkpoint.tensors import expect, expect_finite, expect_scales, new_pack
 from moe_ep.errors import CheckpointError
 from moe_ep.formats import FORMATS, QuantizedWeights, codecs, format_info
 from moe_ep.formats.codecs import E2M1_VALUES, e2m1_decode, to_e4m3
@@ -179,6 +179,13 @@ def _mxfp4_window(codes: torch.Tensor, scales: torch.Tensor, report: ExactnessRe
     return new_codes, new_scale
 
 
+def check_biases(gate_up_bias: Optional[torch.Tensor], down_bias: Optional[torch.Tensor]) -> None:
+    """gpt-oss's biases travel with its weights (GptOssExtras): a NaN or inf in one is damage like a weight's."""
+    for t, name in ((gate_up_bias, "gate_up_proj_bias"), (down_bias, "down_proj_bias")):
+        if t is not None:
+            expect_finite(t, name)
+
+
 def _deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
     """[E, 2I, ...] gate/up interleaved by row (gpt-oss) -> gate rows then up rows (moe_ep)."""
     return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
@@ -211,6 +218,7 @@ def gpt_oss_mxfp4(gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, do
     for t, name in ((gate_up_scales, "gate_up_proj_scales"), (down_scales, "down_proj_scales")):
         if bool((t == 255).any()):
             raise CheckpointError(name, "holds the e8m0 NaN code 255")
+    check_biases(gate_up_bias, down_bias)
     c13 = _deinterleave_rows(unpack_e2m1_pairs(gate_up_blocks.reshape(e, 2 * i, h // 2)))
     c2 = unpack_e2m1_pairs(down_blocks.reshape(e, h, i // 2))
     s13 = _deinterleave_rows(gate_up_scales)
@@ -230,14 +238,14 @@ def gpt_oss_mxfp4(gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, do
                 exact = e2m1_decode(codes[x]) * torch.exp2(sc[x].to(_F32) - 127).repeat_interleave(MX_BLOCK, -1)
                 dst[x].copy_(exact)
                 report.count_change(exact, dst[x].to(device=exact.device, dtype=_F32))
+        if report.changed:
+            report.note("bf16 cannot hold some of these values (an e8m0 exponent beyond bf16's range)")
     else:  # w4a8_mxfp4: e2m1 codes one a byte + e8m0 scales, brought into the kernel's window where they exceed it
         for dst_q, dst_s, codes, sc in ((pack.w13_q, pack.w13_scale, c13, s13),
                                         (pack.w2_q, pack.w2_scale, c2, down_scales)):
             codes, sc = _mxfp4_window(codes, sc, report)
             dst_q.copy_(codes)
             dst_s.view(_U8).copy_(sc)
-    if report.changed:
-        report.note("bf16 cannot hold some of these values (an e8m0 exponent beyond bf16's range)")
     extras = GptOssExtras(None if gate_up_bias is None else _deinterleave_rows(gate_up_bias.to(_F32)),
                           None if down_bias is None else down_bias.to(_F32))
     return pack, report, extras

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from moe_ep.checkpoint.report import ExactnessReport
-from moe_ep.checkpoint.tensors import expect, expect_scales, new_pack
+from moe_ep.checkpoint.tensors import expect, expect_codes, expect_scales, new_pack
 from moe_ep.errors import CheckpointError, InexactCheckpointError
 from moe_ep.formats import QuantizedWeights
 from moe_ep.formats.codecs import to_e4m3
@@ -58,6 +58,12 @@ def _rescale_rows(q: torch.Tensor, s_from: torch.Tensor, s_to: torch.Tensor, rep
     return out
 
 
+def _expect_e4m3(gate, up, down, e: int, h: int, i: int) -> None:
+    for t, name, shape in ((gate, "gate_proj.weight", (e, i, h)), (up, "up_proj.weight", (e, i, h)),
+                           (down, "down_proj.weight", (e, h, i))):
+        expect_codes(expect(t, name, _E4M3, shape), name)
+
+
 def _check_sizes(gate: torch.Tensor, down: torch.Tensor) -> Tuple[int, int, int]:
     if gate.dim() != 3 or down.dim() != 3:
         raise CheckpointError("gate_proj.weight", f"expected stacked [E, I, H] and [E, H, I] weights, got "
@@ -84,9 +90,7 @@ def deepseek_fp8_block(gate: torch.Tensor, gate_scale_inv: torch.Tensor, up: tor
         raise CheckpointError("gate_proj.weight", f"fmt fp8_block takes 128x128 blocks of whole rows and columns: "
                                                   f"H ({h}) and I ({i}) must be multiples of 128")
     nb, kb = i // BLOCK, h // BLOCK
-    expect(gate, "gate_proj.weight", _E4M3, (e, i, h))
-    expect(up, "up_proj.weight", _E4M3, (e, i, h))
-    expect(down, "down_proj.weight", _E4M3, (e, h, i))
+    _expect_e4m3(gate, up, down, e, h, i)
     for t, name, shape in ((gate_scale_inv, "gate_proj.weight_scale_inv", (e, nb, kb)),
                            (up_scale_inv, "up_proj.weight_scale_inv", (e, nb, kb)),
                            (down_scale_inv, "down_proj.weight_scale_inv", (e, h // BLOCK, i // BLOCK))):
@@ -102,7 +106,9 @@ def deepseek_fp8_block(gate: torch.Tensor, gate_scale_inv: torch.Tensor, up: tor
         dst = pack.w13_q[:, half * i:(half + 1) * i]
         dst.copy_(src)
         moved = scale != shared  # the blocks of this half that take the other half's (larger) scale
-        report.rescaled_blocks += int(moved.sum())
+        # A zero scale's block is zeros whatever its codes: under the shared scale its codes become zeros (the
+        # same values, _rescale_rows), which is no change of the checkpoint's values and is not counted.
+        report.rescaled_blocks += int((moved & (scale > 0)).sum())
         for x, b in moved.any(dim=2).nonzero().tolist():
             rows = slice(b * BLOCK, (b + 1) * BLOCK)
             dst[x, rows].copy_(_rescale_rows(src[x, rows], scale[x, b], shared[x, b], report))
@@ -140,15 +146,14 @@ def deepseek_fp8_mxfp8(gate: torch.Tensor, gate_scale_inv: torch.Tensor, up: tor
         raise CheckpointError("gate_proj.weight", f"fmt mxfp8 takes K in groups of 32: H ({h}) and I ({i}) must be "
                                                   f"multiples of 32")
     g13 = block_grid(i, h)
-    expect(gate, "gate_proj.weight", _E4M3, (e, i, h))
-    expect(up, "up_proj.weight", _E4M3, (e, i, h))
-    expect(down, "down_proj.weight", _E4M3, (e, h, i))
+    _expect_e4m3(gate, up, down, e, h, i)
     report = ExactnessReport("deepseek_fp8", "mxfp8")
     codes = {}
-    for t, name, grid in ((gate_scale_inv, "gate_proj.weight_scale_inv", g13),
-                          (up_scale_inv, "up_proj.weight_scale_inv", g13),
-                          (down_scale_inv, "down_proj.weight_scale_inv", block_grid(h, i))):
-        expect(t, name, _F32, (e, *grid))
+    grids = ((gate_scale_inv, "gate_proj.weight_scale_inv", g13), (up_scale_inv, "up_proj.weight_scale_inv", g13),
+             (down_scale_inv, "down_proj.weight_scale_inv", block_grid(h, i)))
+    for t, name, grid in grids:  # every scale checked for damage before any is judged for exactness
+        expect_scales(expect(t, name, _F32, (e, *grid)), name)
+    for t, name, grid in grids:
         codes[name] = _e8m0_codes(t, name, report)
     pack = out if out is not None else new_pack("mxfp8", e, h, i, gate.device, expert_offset)
 
@@ -180,9 +185,7 @@ def modelopt_fp8_tensor(gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.
     fp8_tensor keeps ONE FC1 weight scale per expert: where gate's and up's differ, max(gate, up) is kept and
     the other half's codes are re-rounded onto it (counted in the report). FC2 is exact."""
     e, h, i = _check_sizes(gate, down)
-    expect(gate, "gate_proj.weight", _E4M3, (e, i, h))
-    expect(up, "up_proj.weight", _E4M3, (e, i, h))
-    expect(down, "down_proj.weight", _E4M3, (e, h, i))
+    _expect_e4m3(gate, up, down, e, h, i)
     for t, name in ((gate_scale, "gate_proj.weight_scale"), (up_scale, "up_proj.weight_scale"),
                     (down_scale, "down_proj.weight_scale")):
         expect_scales(expect(t, name, _F32, (e,)), name)
@@ -202,7 +205,7 @@ def modelopt_fp8_tensor(gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.
         dst = pack.w13_q[:, half * i:(half + 1) * i]
         dst.copy_(src)
         for x in (scale != shared).nonzero().flatten().tolist():
-            report.rescaled_blocks += 1
+            report.rescaled_blocks += int(scale[x] > 0)  # a zero scale's zeros stay zeros (see above)
             s_from, s_to = scale[x].expand(kb), shared[x].expand(kb)
             for r0 in range(0, i, BLOCK):  # 128 rows at a time: fp32 temporaries stay small
                 rows = slice(r0, min(i, r0 + BLOCK))

@@ -45,8 +45,15 @@ class TensorInfo:
         return DTYPES.get(self.dtype)
 
 
-def _header(path: str) -> Dict[str, dict]:
-    """The JSON header of one .safetensors file (8-byte little-endian length, then JSON), without mapping it."""
+# Bytes per element of safetensors' dtypes (for checking a header entry's data offsets against its shape).
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _header(path: str) -> Tuple[Dict[str, dict], Optional[Tuple[str, str]]]:
+    """The JSON header of one .safetensors file (8-byte little-endian length, then JSON), without mapping it, and
+    its first damaged entry (name, what is wrong) or None: every entry's data offsets must lie inside the file's
+    data and span its shape (safetensors refuses the whole file otherwise, without saying which tensor)."""
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -56,12 +63,35 @@ def _header(path: str) -> Dict[str, dict]:
             if n > 100 << 20:
                 raise CheckpointError(None, f"not a safetensors file (header length {n})", path)
             data = json.loads(f.read(n))
+            size = os.fstat(f.fileno()).st_size - 8 - n
     except OSError as e:
         raise CheckpointError(None, f"cannot read: {e}", path) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(None, f"not a safetensors file (header: {e})", path) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(None, "not a safetensors file (its header is not a JSON object)", path)
     data.pop("__metadata__", None)
-    return data
+    return data, _damaged(data, size)
+
+
+def _damaged(header: Dict[str, dict], size: int) -> Optional[Tuple[str, str]]:
+    for name, e in header.items():
+        try:
+            begin, end = (int(x) for x in e["data_offsets"])
+            shape = [int(x) for x in e["shape"]]
+            dtype = e["dtype"]
+        except (KeyError, TypeError, ValueError):
+            return name, "its header entry is damaged (no dtype, shape or data_offsets)"
+        if not 0 <= begin <= end <= size:
+            return name, f"its data offsets [{begin}, {end}) lie outside the file's {size} data bytes"
+        item = _ITEMSIZE.get(dtype)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if item is not None and end - begin != numel * item:
+            return name, (f"its data offsets [{begin}, {end}) span {end - begin} bytes; {dtype} {shape} takes "
+                          f"{numel * item}")
+    return None
 
 
 class SafetensorsFiles:
@@ -74,6 +104,7 @@ class SafetensorsFiles:
             raise CheckpointError(None, "no such checkpoint directory or file", str(path))
         self.path = path
         self._headers: Dict[str, Dict[str, dict]] = {}
+        self._damage: Dict[str, Optional[Tuple[str, str]]] = {}
         if path.is_file():
             self.index_file = None
             self.weight_map = {name: str(path) for name in self._header_of(str(path))}
@@ -89,14 +120,28 @@ class SafetensorsFiles:
             if not files:
                 raise CheckpointError(None, f"neither {INDEX} nor any .safetensors file here", str(path))
             self.index_file = None
-            self.weight_map = {name: f for f in files for name in self._header_of(f)}
+            self.weight_map = {}
+            for f in files:
+                for name in self._header_of(f):
+                    if name in self.weight_map:  # without an index nothing says which copy is the model's
+                        raise CheckpointError(name, f"is in two files and no {INDEX} says which to read: "
+                                                    f"{self.weight_map[name]} and {f}", f)
+                    self.weight_map[name] = f
 
     def _header_of(self, file: str) -> Dict[str, dict]:
         if file not in self._headers:
             if not os.path.exists(file):
                 raise CheckpointError(None, "a shard the index names is missing", file)
-            self._headers[file] = _header(file)
+            self._headers[file], self._damage[file] = _header(file)
         return self._headers[file]
+
+    def _readable(self, file: str) -> None:
+        """CheckpointError naming the damaged tensor when any entry of `file`'s header is damaged (safetensors
+        then opens none of its tensors)."""
+        self._header_of(file)
+        bad = self._damage.get(file)
+        if bad is not None:
+            raise CheckpointError(bad[0], f"cannot read {os.path.basename(file)}: {bad[1]}", file)
 
     def names(self) -> Iterable[str]:
         return self.weight_map.keys()
@@ -134,6 +179,8 @@ class SafetensorsFiles:
         by_file: Dict[str, List[str]] = {}
         for n in names:
             by_file.setdefault(self.info(n).file, []).append(n)
+        for file in by_file:
+            self._readable(file)
         out = {}
         for file, group in by_file.items():
             current = group[0]

@@ -4,12 +4,12 @@ only its own experts. Collective like MoELayer itself: a rank whose read fails m
 
 from __future__ import annotations
 
-import traceback
 import warnings
 from typing import Optional
 
 from moe_ep.checkpoint.conventions import Convention
 from moe_ep.checkpoint.loader import Checkpoint, LayerPlan
+from moe_ep.checkpoint.tensors import scrub
 from moe_ep.core import registry
 from moe_ep.core.dist import RankContext, run_agreed
 from moe_ep.core.spec import MoESpec
@@ -102,5 +102,5 @@ def load_layer(checkpoint, layer: int, spec: MoESpec, backend: Optional[str] = N
     except BaseException as err:
         box.clear()
         weights = loaded = None  # noqa: F841 - dropped before the error leaves, with the frames below
-        traceback.clear_frames(err.__traceback__)
+        scrub(err)
         raise

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -24,7 +23,7 @@ import torch
 from moe_ep.checkpoint.conventions import STEM, Convention, Role, detect, get_convention, scalar_ok
 from moe_ep.checkpoint.files import SafetensorsFiles
 from moe_ep.checkpoint.report import ExactnessReport
-from moe_ep.checkpoint.tensors import new_pack
+from moe_ep.checkpoint.tensors import expect_scales, new_pack, scrub
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.errors import CheckpointError, FormatError, InexactCheckpointError, WorldSizeError
 from moe_ep.formats import format_violations
@@ -137,7 +136,17 @@ class Checkpoint:
         if conv.per_expert and found > e:
             raise CheckpointError(conv.tensor_name(stem, first, found - 1, style),
                                   f"layer {layer} has experts up to {found - 1}, more than the {e} expected", where)
-        return LayerPlan(conv, layer, stem, style, e, h, i)
+        plan = LayerPlan(conv, layer, stem, style, e, h, i)
+        known = {plan.name(r, x)[len(stem) + 1:] for r in conv.roles
+                 for x in ((None,) if not conv.per_expert else range(max(e, found)))}
+        ignored = sorted(rests - known)
+        if ignored:  # what the layer would not compute (an expert bias, an extra scale): refused, not dropped
+            name = f"{stem}.{ignored[0]}"
+            more = f" (and {len(ignored) - 1} more, e.g. {ignored[1:3]})" if len(ignored) > 1 else ""
+            raise CheckpointError(name, f"an expert tensor the {conv.name} convention does not read and moe_ep's "
+                                        f"layer does not compute{more}: refused rather than dropped",
+                                  self.files.where(name))
+        return plan
 
     def check(self, plan: LayerPlan, experts: range) -> None:
         """Every tensor the load of `experts` will read, checked from the headers: present, dtype, shape
@@ -196,7 +205,7 @@ class Checkpoint:
         try:
             return self._load(plan, target, rank, world_size, mine, device, allow_inexact)
         except BaseException as err:
-            traceback.clear_frames(err.__traceback__)  # the frames below held the half-built pack
+            scrub(err)  # the frames below (and a suppressed context's) held the half-built pack and the expert
             raise
 
     def _wide_scales(self, plan: LayerPlan) -> Dict[str, torch.Tensor]:
@@ -206,6 +215,8 @@ class Checkpoint:
             if role.layer_wide:
                 names = [plan.name(role, x) for x in range(plan.num_experts)]
                 vals = self.files.read(names)
+                for n in names:  # each checked where it is stored: the largest alone would hide or blur the damage
+                    expect_scales(vals[n], n, self.files.where(n))
                 out[role.key] = torch.stack([vals[n].reshape(()).to(torch.float32) for n in names]).max().reshape(1)
                 del vals
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from typing import Optional, Sequence
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from moe_ep.errors import CheckpointError
 from moe_ep.formats import QuantizedWeights, pack_rules
 
-__all__ = ["expect", "expect_scales", "new_pack"]
+__all__ = ["expect", "expect_scales", "expect_codes", "expect_finite", "new_pack", "scrub"]
 
 
 def expect(t, name: str, dtype: torch.dtype, shape: Sequence[int], file: Optional[str] = None) -> torch.Tensor:
@@ -32,6 +33,57 @@ def expect_scales(t: torch.Tensor, name: str, file: Optional[str] = None, positi
         raise CheckpointError(name, f"expected finite {'positive' if positive else 'non-negative'} scales, got "
                                     f"{int(bad.sum())} others (e.g. {first})", file)
     return t
+
+
+# Values checked at a time: the checks' temporaries stay a fraction of a MiB, inside the loader's memory bound.
+_CHUNK = 1 << 18
+
+
+def _count(t: torch.Tensor, bad) -> tuple:
+    """(how many elements of t `bad` flags, up to 4 of them), over chunks of the flattened tensor."""
+    flat = t.reshape(-1)
+    n, first = 0, []
+    for i in range(0, flat.numel(), _CHUNK):
+        part = flat[i:i + _CHUNK]
+        mask = bad(part)
+        k = int(mask.sum())
+        if k:
+            n += k
+            if len(first) < 4:
+                first += part[mask][:4 - len(first)].float().tolist()
+    return n, first
+
+
+def expect_codes(t: torch.Tensor, name: str, file: Optional[str] = None) -> torch.Tensor:
+    """e4m3 codes a checkpoint can mean: no NaN (bytes 0x7f / 0xff; e4m3fn has no infinity)."""
+    n, _ = _count(t.view(torch.uint8), lambda b: (b & 0x7F) == 0x7F)
+    if n:
+        raise CheckpointError(name, f"holds {n} e4m3 NaN codes (0x7f / 0xff): a damaged weight", file)
+    return t
+
+
+def expect_finite(t: torch.Tensor, name: str, file: Optional[str] = None) -> torch.Tensor:
+    """Weight values a checkpoint can mean: finite."""
+    n, first = _count(t, lambda v: ~torch.isfinite(v))
+    if n:
+        raise CheckpointError(name, f"holds {n} NaN or infinite values (e.g. {first}): a damaged weight", file)
+    return t
+
+
+def scrub(err: BaseException) -> None:
+    """Drop what an error raised while loading keeps alive: the locals of every frame of its traceback and of the
+    errors it chains (a converter's frames hold the expert's tensors and the pack's slice), and a context it
+    already suppresses (`raise ... from None`), which nobody reads but which would keep its own frames."""
+    seen = set()
+    e: Optional[BaseException] = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        nxt = e.__cause__ or e.__context__
+        if e.__suppress_context__:
+            e.__context__ = None
+        e = nxt
 
 
 def new_pack(fmt: str, e: int, h: int, i: int, device=None, expert_offset: int = 0) -> QuantizedWeights:

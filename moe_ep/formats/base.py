@@ -45,6 +45,7 @@ class Format:
     hidden_multiple: ClassVar[int] = 1  # H must be a multiple (K of FC1)
     intermediate_multiple: ClassVar[int] = 1  # I must be a multiple (K of FC2, and N blocks of FC1)
     static_activation_scales: ClassVar[bool] = False  # needs ExpertWeights.act_amax / fc2_act_amax
+    quantized: ClassVar[bool] = True  # False: the pack holds the weights' own values (bf16)
     per_expert_scales: ClassVar[Tuple[str, ...]] = ()  # activation scales held per expert (beyond PER_EXPERT_FIELDS)
     # Largest per-token relative L2 error of a backend's output against the oracle (what is left once the oracle
     # repeats the kernels' quantization steps: fp32 accumulation order, the bf16 output rounding, the odd FC2-input

@@ -14,6 +14,7 @@ __all__ = ["Bf16"]
 class Bf16(Format):
     name = "bf16"
     description = "bf16 weights and activations"
+    quantized = False
     output_tolerance = 1e-2
     weight_tolerance = 1e-6
 

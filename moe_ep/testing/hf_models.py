@@ -25,7 +25,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["ARCHS", "tiny_config", "tiny_model", "greedy", "RouteRecorder", "reference_run", "compare_run", "prompt_ids"]
+__all__ = ["ARCHS", "tiny_config", "tiny_model", "greedy", "RouteRecorder", "reference_run", "compare_run",
+           "prompt_ids"]
 
 ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3")
 
@@ -68,47 +69,76 @@ def tiny_model(arch: str, *, seed: int = 0, dtype=torch.bfloat16, device="cpu", 
 
 def greedy(model, ids: torch.Tensor, new_tokens: int, with_logits: bool = False):
     """Greedy generation of exactly `new_tokens` tokens (no early stop: every rank makes the same calls); with
-    with_logits, also the raw logits each step chose from ([B, new_tokens, V], fp32)."""
+    with_logits, also the raw logits each step chose from ([B, new_tokens, V], fp32). The model's own generation
+    config is set aside while it runs: generate() fills a config's unset fields from it, an EOS token included, and
+    a rank whose row emitted it would stop early and leave the others waiting in a layer call."""
     cfg = copy.deepcopy(model.generation_config)
     cfg.eos_token_id = None
     cfg.pad_token_id = 0
     cfg.do_sample = False
     cfg.max_new_tokens = new_tokens
     cfg.min_new_tokens = None
-    with torch.no_grad():
-        if not with_logits:
-            return model.generate(ids, generation_config=cfg)
-        out = model.generate(ids, generation_config=cfg, output_logits=True, return_dict_in_generate=True)
+    own = model.generation_config
+    model.generation_config = cfg
+    try:
+        with torch.no_grad():
+            if not with_logits:
+                return model.generate(ids, generation_config=cfg)
+            out = model.generate(ids, generation_config=cfg, output_logits=True, return_dict_in_generate=True)
+    finally:
+        model.generation_config = own
     return out.sequences, torch.stack([x.float() for x in out.logits], dim=1)
 
 
 class RouteRecorder:
-    """Records each router's chosen experts (sorted ids per token) for every forward of the model, in call order.
-    The routers are the `gate` modules beside the experts modules (their output's last element is the ids)."""
+    """Records the experts each token was routed to (sorted ids per token) at every routed-experts call of the
+    model, grouped per model forward, in call order. It reads the ids where the experts get them: the top_k_index
+    argument of every experts module of transformers' interface (the same module before and after a swap), and
+    the router's choice in a block moe_ep reproduces whole (Llama-4's: top-k of the router's logits)."""
 
     def __init__(self, model):
-        from moe_ep.integrations.transformers import experts_modules
-        from moe_ep.module import MoEModule
+        from moe_ep.integrations import transformers as it
 
-        modules = dict(model.named_modules())
-        experts = set(experts_modules(model))  # before a swap; after it, the modules moe_ep serves
-        self.routers = []
-        for name, m in modules.items():
-            if name in experts or isinstance(getattr(m, "moe_ep", None), MoEModule) or (
-                    isinstance(m, MoEModule) and not name.endswith(".moe_ep")):
-                gate = getattr(modules[name.rpartition(".")[0]], "gate", None)
-                if isinstance(gate, torch.nn.Module):
-                    self.routers.append(gate)
+        self.model = model
+        self.sources = []
+        for m in model.modules():
+            if hasattr(m, "is_concatenated") and hasattr(m, "config"):
+                self.sources.append(("experts", m, None))
+            elif type(m).__name__ in it._TOP1_SCALED_BLOCKS or isinstance(m, it._Top1ScaledMoE):
+                self.sources.append(("router", m.router, m.top_k))
         self.calls = []
+        self._forward = -1
         self._hooks = []
+
+    def _record(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        ids = ids.detach().reshape(-1, ids.shape[-1])
+        srt, order = ids.sort(dim=-1)
+        w = weights.detach().reshape(ids.shape).float().gather(1, order)
+        self.calls.append((self._forward, torch.cat((srt.float(), w), dim=-1).cpu()))
 
     def __enter__(self):
         self.calls = []
+        self._forward = -1
 
-        def hook(module, args, out):
-            self.calls.append(out[-1].detach().reshape(-1, out[-1].shape[-1]).sort(dim=-1).values.cpu())
+        def on_model(module, args, kwargs):
+            self._forward += 1
 
-        self._hooks = [r.register_forward_hook(hook) for r in self.routers]
+        def on_experts(module, args, kwargs):
+            ids = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+            w = kwargs.get("top_k_weights", args[2] if len(args) > 2 else None)
+            if isinstance(ids, torch.Tensor) and isinstance(w, torch.Tensor):
+                self._record(ids, w)
+
+        def on_router(k):
+            def hook(module, args, out):
+                idx = torch.topk(out[1], k, dim=-1).indices
+                self._record(idx, out[0].gather(1, idx))
+            return hook
+
+        self._hooks = [self.model.register_forward_pre_hook(on_model, with_kwargs=True)]
+        for what, m, k in self.sources:
+            self._hooks.append(m.register_forward_pre_hook(on_experts, with_kwargs=True) if what == "experts"
+                               else m.register_forward_hook(on_router(k)))
         return self
 
     def __exit__(self, *exc):
@@ -117,9 +147,11 @@ class RouteRecorder:
         return False
 
     def forwards(self):
-        """[[ids per router] per model forward]."""
-        n = len(self.routers)
-        return [self.calls[i:i + n] for i in range(0, len(self.calls), n)]
+        """[[(sorted ids | their weights) [tokens, 2K] per routed-experts call] per model forward]."""
+        out = [[] for _ in range(self._forward + 1)]
+        for f, ids in self.calls:
+            out[f].append(ids)
+        return out
 
 
 def reference_run(model, ids: torch.Tensor, new_tokens: int) -> Dict[str, Any]:
@@ -135,11 +167,30 @@ def reference_run(model, ids: torch.Tensor, new_tokens: int) -> Dict[str, Any]:
             "gen_routes": gen_routes, "tf_routes": rec.forwards()[0]}
 
 
+# Some routers' weights jump, not only their ids: PhiMoE's sparsemixer masks experts whose logit is a threshold
+# below the top one, so a token near that threshold gets weight 1 or 0.5 for the same experts. A position whose
+# routing weights moved by more than this (relative) counts as rerouted, like one whose experts changed. Smooth
+# routers (softmax, sigmoid) move theirs by about the input's own difference: under 1 % here.
+ROUTE_WEIGHT_JUMP = 0.05
+
+
+def _route_changed(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[tokens] bool: other experts, or weights that jumped (x, y: [tokens, 2K] ids | weights)."""
+    k = x.shape[-1] // 2
+    ids = (x[:, :k] != y[:, :k]).any(dim=-1)
+    wx, wy = x[:, k:], y[:, k:]
+    jump = ((wx - wy).abs() > ROUTE_WEIGHT_JUMP * torch.maximum(wx.abs(), wy.abs()).clamp(min=1e-6)).any(dim=-1)
+    return ids | jump
+
+
 def _rerouted_tf(a, b, batch: int, length: int) -> torch.Tensor:
-    """[B, S] bool: some router chose other experts at this position or an earlier one of its row."""
+    """[B, S] bool: some router chose other experts (or jumped its weights) at this position or an earlier one of
+    its row."""
     diff = torch.zeros(batch, length, dtype=torch.bool)
+    if len(a) != len(b):
+        return ~diff
     for x, y in zip(a, b):
-        diff |= (x != y).any(dim=-1).reshape(batch, length)
+        diff |= _route_changed(x, y).reshape(batch, length)
     return diff.cummax(dim=1).values
 
 
@@ -151,12 +202,13 @@ def _rerouted_from(a, b, batch: int, prompt_len: int, new_tokens: int) -> torch.
         if c >= new_tokens:
             break
         changed = torch.zeros(batch, dtype=torch.bool)
+        if len(fa) != len(fb):
+            changed |= True
         for x, y in zip(fa, fb):
             if x.shape != y.shape:
                 changed |= True
                 continue
-            per_token = (x != y).any(dim=-1)
-            changed |= per_token.reshape(batch, -1).any(dim=1)
+            changed |= _route_changed(x, y).reshape(batch, -1).any(dim=1)
         first = torch.where(changed & (first == new_tokens), torch.full_like(first, c), first)
     return first
 

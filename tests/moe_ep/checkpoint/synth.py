@@ -123,13 +123,13 @@ def write(root, convention: str, *, shards: int = 3, layers: Sequence[int] = (1,
           drop: Sequence[str] = (), edit: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """Write a checkpoint into directory `root`: `shards` files + model.safetensors.index.json (shards=0: one
     model.safetensors, no index) + config.json. drop: names left out of their shard (still in the index);
-    edit: names whose tensor is replaced on disk. Returns the tensors as written (drop/edit applied)."""
+    edit: names whose tensor is replaced (or added) on disk. Returns the tensors as written (drop/edit applied)."""
     from safetensors.torch import save_file
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     t = tensors(convention, layers=layers, e=e, h=h, i=i, seed=seed, agree=agree, pow2=pow2)
-    names = list(t)
+    names = list(t) + [n for n in (edit or {}) if n not in t]
     t.update(edit or {})
     cfg = {"num_local_experts" if convention == "mixtral_bf16" else "num_experts": e, "hidden_size": h}
     cfg.update(config or {})

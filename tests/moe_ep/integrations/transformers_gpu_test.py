@@ -8,7 +8,8 @@ routed experts on sm90_bf16_cutedsl and sm90_fp8_cutedsl, on one H200 (or N, one
 Two references per backend, the checks of moe_ep.testing.hf_models.compare_run (teacher-forced logits, decode
 steps while contexts and routes agree, greedy tokens identical up to the first near-tie):
   against="transformers": the model's own bf16 experts (transformers' CUDA grouped GEMM). Bounds (relative L2 of
-    the logits per position): bf16 3e-2 (the implementations' rounding); FP8 0.15 (H200: 6.3-10.8 %), because e4m3 weights and FC1 /
+    the logits per position): bf16 3e-2 (the implementations' rounding); FP8 0.15 (H200: 6.3-10.8 %), because e4m3
+    weights and FC1 /
     FC2 inputs with 128-wide block scales keep 3 mantissa bits (up to 2^-4 relative per element, ~2.5-3 % RMS):
     the MoE output errs by ~4-5 %, it adds into a residual stream of comparable size in each MoE layer, and the
     logits measured 6.8-7.6 % off with the torch reference quantizing the same way on the CPU. FP8's error also
