@@ -22,6 +22,7 @@ import ast
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,11 +58,6 @@ def gpu_tests(arch: str, root: Path = ROOT) -> List[Dict]:
             out.append(dict(name=f"{kw['name']}_{arch}", package=build.parent.relative_to(root).as_posix(),
                             main=(build.parent / main).relative_to(root).as_posix(), env=dict(kw.get("env") or {})))
     return out
-
-
-def _text(b) -> str:
-    """A timed-out child's output: bytes even under text=True (subprocess hands back what it read), or None."""
-    return b.decode("utf-8", "replace") if isinstance(b, bytes) else (b or "")
 
 
 def _summary(log: str) -> str:
@@ -103,12 +99,17 @@ def run(arch: str, out: Path, nproc: int, timeout_s: float, only: Optional[List[
                    MOE_EP_GPU_LOG=str(out / test["name"]))
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # this one's path: the repository root on it
         start = time.monotonic()
+        # Its own session: a multi-rank suite's ranks are its children, and a timeout ends them all (a rank left
+        # behind would hold the output pipe open, and the GPU).
+        proc = subprocess.Popen([sys.executable, test["main"]], cwd=root, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            proc = subprocess.run([sys.executable, test["main"]], cwd=root, env=env, capture_output=True, text=True,
-                                  timeout=min(timeout_s, left))
-            rc, log = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as e:
-            rc, log = 124, f"{_text(e.stdout)}{_text(e.stderr)}\nTIMEOUT after {min(timeout_s, left):.0f} s"
+            log, _ = proc.communicate(timeout=min(timeout_s, left))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            rc, log = 124, f"{log}\nTIMEOUT after {min(timeout_s, left):.0f} s"
         seconds = time.monotonic() - start
         (out / f"{test['name']}.log").write_text(log, encoding="utf-8")
         row = dict(test, rc=rc, seconds=round(seconds, 1), summary=_summary(log))

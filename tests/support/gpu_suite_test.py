@@ -49,8 +49,10 @@ def test_the_budget_times_out_the_test_it_runs_into_and_leaves_the_rest_not_run(
         'gpu_py_test(name = "b", srcs = ["b_gpu_test.py"])\n'
         'gpu_py_test(name = "c", srcs = ["c_gpu_test.py"])\n')
     (tmp_path / "tests" / "x" / "a_gpu_test.py").write_text("print('1 passed in 0.01s')\n")
-    (tmp_path / "tests" / "x" / "b_gpu_test.py").write_text("import time\nprint('started', flush=True)\n"
-                                                            "time.sleep(60)\n")
+    # b starts a child of its own (as a multi-rank suite starts its ranks) that outlives b unless it is ended too
+    (tmp_path / "tests" / "x" / "b_gpu_test.py").write_text(
+        "import subprocess, sys, time\nprint('started', flush=True)\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\ntime.sleep(60)\n")
     (tmp_path / "tests" / "x" / "c_gpu_test.py").write_text("print('1 passed in 0.01s')\n")
     out = tmp_path / "out"
     budget = 4.0  # a's interpreter starts well within it; b then runs into it
