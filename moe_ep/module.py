@@ -33,12 +33,12 @@ from typing import Optional
 
 import torch
 
-from moe_ep.core.errors import (CheckpointError, DeviceError, DTypeError, IntegrationError, ShapeError,
-                                WeightsRankError)
-from moe_ep.core.layer import MoELayer
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.errors import (CheckpointError, DeviceError, DTypeError, IntegrationError, ShapeError,
+                           WeightsRankError)
 from moe_ep.formats import QuantizedWeights
+from moe_ep.layer import MoELayer
 
 __all__ = ["MoEModule", "guard_conversions"]
 

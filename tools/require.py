@@ -11,7 +11,7 @@ import sys
 from typing import Optional
 
 from moe_ep.core.device import cuda_device_count, describe_host, require_arch, require_device
-from moe_ep.core.errors import BackendUnavailableError, DeviceUnavailableError
+from moe_ep.errors import BackendUnavailableError, DeviceUnavailableError
 
 __all__ = ["EXIT_ABSENT", "check_devices", "require", "local_gpu"]
 

@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 from moe_ep.checkpoint import convert_bf16, convert_fp4, convert_fp8
 from moe_ep.checkpoint.convert_fp8 import block_grid
-from moe_ep.core.errors import CheckpointError
+from moe_ep.errors import CheckpointError
 
 __all__ = ["Role", "Convention", "CONVENTIONS", "PROJ_NAMES", "STEM", "get_convention", "detect", "scalar_ok"]
 

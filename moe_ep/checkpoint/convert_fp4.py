@@ -27,8 +27,8 @@ import torch
 
 from moe_ep.checkpoint.report import ExactnessReport
 from moe_ep.checkpoint.tensors import expect, expect_finite, expect_scales, new_pack
-from moe_ep.core.errors import CheckpointError
-from moe_ep.formats import FORMATS, QuantizedWeights, codecs
+from moe_ep.errors import CheckpointError
+from moe_ep.formats import FORMATS, QuantizedWeights, codecs, format_info
 from moe_ep.formats.codecs import E2M1_VALUES, e2m1_decode, to_e4m3
 
 __all__ = ["unpack_e2m1_pairs", "modelopt_nvfp4", "gpt_oss_mxfp4", "GptOssExtras", "GPT_OSS_FORMATS",
@@ -77,7 +77,7 @@ def modelopt_nvfp4(gate: torch.Tensor, gate_scale: torch.Tensor, gate_scale_2: t
     if fmt not in NVFP4_FORMATS:
         raise CheckpointError("gate_proj.weight", f"ModelOpt NVFP4 converts exactly to {list(NVFP4_FORMATS)}, not "
                                                   f"{fmt!r}")
-    static = fmt == "nvfp4"  # static activation scales: the checkpoint's input_scale
+    static = format_info(fmt).static_activation_scales  # then the checkpoint's input_scale values are used
     if gate.dim() != 3:
         raise CheckpointError("gate_proj.weight", f"expected stacked uint8 [E, I, H/2], got {list(gate.shape)}")
     e, i, h2 = gate.shape
@@ -238,14 +238,14 @@ def gpt_oss_mxfp4(gate_up_blocks: torch.Tensor, gate_up_scales: torch.Tensor, do
                 exact = e2m1_decode(codes[x]) * torch.exp2(sc[x].to(_F32) - 127).repeat_interleave(MX_BLOCK, -1)
                 dst[x].copy_(exact)
                 report.count_change(exact, dst[x].to(device=exact.device, dtype=_F32))
+        if report.changed:
+            report.note("bf16 cannot hold some of these values (an e8m0 exponent beyond bf16's range)")
     else:  # w4a8_mxfp4: e2m1 codes one a byte + e8m0 scales, brought into the kernel's window where they exceed it
         for dst_q, dst_s, codes, sc in ((pack.w13_q, pack.w13_scale, c13, s13),
                                         (pack.w2_q, pack.w2_scale, c2, down_scales)):
             codes, sc = _mxfp4_window(codes, sc, report)
             dst_q.copy_(codes)
             dst_s.view(_U8).copy_(sc)
-    if fmt == "bf16" and report.changed:
-        report.note("bf16 cannot hold some of these values (an e8m0 exponent beyond bf16's range)")
     extras = GptOssExtras(None if gate_up_bias is None else _deinterleave_rows(gate_up_bias.to(_F32)),
                           None if down_bias is None else down_bias.to(_F32))
     return pack, report, extras

@@ -20,7 +20,7 @@ import torch
 
 from moe_ep.checkpoint.report import ExactnessReport
 from moe_ep.checkpoint.tensors import expect, expect_codes, expect_scales, new_pack
-from moe_ep.core.errors import CheckpointError, InexactCheckpointError
+from moe_ep.errors import CheckpointError, InexactCheckpointError
 from moe_ep.formats import QuantizedWeights
 from moe_ep.formats.codecs import to_e4m3
 

@@ -17,7 +17,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from moe_ep.core.errors import CheckpointError
+from moe_ep.errors import CheckpointError
 
 __all__ = ["TensorInfo", "SafetensorsFiles", "DTYPES"]
 

@@ -12,10 +12,10 @@ from moe_ep.checkpoint.loader import Checkpoint, LayerPlan
 from moe_ep.checkpoint.tensors import scrub
 from moe_ep.core import registry
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import CheckpointError, FormatError
-from moe_ep.core.layer import MoELayer
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.errors import CheckpointError, FormatError
+from moe_ep.layer import MoELayer
 
 __all__ = ["load_layer", "choose_format"]
 

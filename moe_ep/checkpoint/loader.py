@@ -24,8 +24,8 @@ from moe_ep.checkpoint.conventions import STEM, Convention, Role, detect, get_co
 from moe_ep.checkpoint.files import SafetensorsFiles
 from moe_ep.checkpoint.report import ExactnessReport
 from moe_ep.checkpoint.tensors import expect_scales, new_pack, scrub
-from moe_ep.core.errors import CheckpointError, FormatError, InexactCheckpointError, WorldSizeError
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
+from moe_ep.errors import CheckpointError, FormatError, InexactCheckpointError, WorldSizeError
 from moe_ep.formats import format_violations
 
 __all__ = ["Checkpoint", "LayerPlan", "LoadedExperts"]

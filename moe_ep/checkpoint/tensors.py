@@ -7,9 +7,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from moe_ep.core.errors import CheckpointError
-from moe_ep.core.weights import pack_rules
-from moe_ep.formats import QuantizedWeights
+from moe_ep.errors import CheckpointError
+from moe_ep.formats import QuantizedWeights, pack_rules
 
 __all__ = ["expect", "expect_scales", "expect_codes", "expect_finite", "new_pack", "scrub"]
 
@@ -88,7 +87,7 @@ def scrub(err: BaseException) -> None:
 
 
 def new_pack(fmt: str, e: int, h: int, i: int, device=None, expert_offset: int = 0) -> QuantizedWeights:
-    """An uninitialised pack of `fmt` for e experts (moe_ep.core.weights.pack_rules' dtypes and shapes)."""
+    """An uninitialised pack of `fmt` for e experts (moe_ep.formats.pack_rules' dtypes and shapes)."""
     kw = {name: torch.empty(rule[1], dtype=rule[0], device=device)
           for name, rule in pack_rules(fmt, e, h, i).items() if rule is not None}
     return QuantizedWeights(fmt, expert_offset=expert_offset, **kw)

@@ -16,14 +16,16 @@ __all__ = ["Backend"]
 
 
 class Backend:
-    """Subclass and register (moe_ep.register_backend). Class attributes describe what it serves:
+    """Subclass and register (moe_ep.register_backend). Class attributes state what it serves, and the layer takes
+    them as stated (the registry resolves only Backend subclasses, and checks once that the class serves every
+    format its registration names):
 
     name, arch ("cpu" | "sm90" | "sm100"), weight_formats (the fmt strings it accepts; the first is its
     default), input_dtypes / routing_weight_dtypes (the hidden / topk_weights dtypes forward() takes as they are,
     rounding hidden to bf16 and reading the weights as fp32 where it stages them; the layer converts any other dtype
-    it accepts before the call). Outputs are bf16 [T, H]. check_spec() states its capacity / divisibility rules so
-    the layer can reject a spec before any workspace is allocated. Backend options (MoELayer(..., **options)) are
-    the subclass's own constructor keywords.
+    it accepts before the call), allocates_output, needs_p2p. Outputs are bf16 [T, H]. check_spec() states its
+    capacity / divisibility rules so the layer can reject a spec before any workspace is allocated. Backend options
+    (MoELayer(..., **options)) are the subclass's own constructor keywords.
     """
 
     name: ClassVar[str] = "abstract"
@@ -35,6 +37,9 @@ class Backend:
     # leaves a call without `out` to it (a kernel backend keys its in-place graphs by buffer addresses, and a
     # fresh output's address is the allocator's choice).
     allocates_output: ClassVar[bool] = False
+    # Whether it reaches its peers by P2P (one NVLink domain): a layer over several NVLink domains refuses it at
+    # construction (moe_ep/split/topology.py), and backend="auto" plans a split path there.
+    needs_p2p: ClassVar[bool] = False
     # What the layer is called (MoELayer's name, set before prepare_weights): for a backend's own messages.
     layer_name: str = ""
 
@@ -79,7 +84,7 @@ class Backend:
         raise NotImplementedError
 
     def staged_activation(self):
-        """The quantized FC1 input of the last forward (a moe_ep.reference.packs.QuantizedActivation), or
+        """The quantized FC1 input of the last forward (a moe_ep.formats.QuantizedActivation), or
         None if the backend does not keep it; the oracle then quantizes the bf16 input itself."""
         return None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_ep.core.errors import BackendUnavailableError, DeviceUnavailableError
+from moe_ep.errors import BackendUnavailableError, DeviceUnavailableError
 
 __all__ = ["cuda_device_count", "describe_host", "require_device", "require_arch", "ARCH_PARTS"]
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from moe_ep.core import lifecycle
 from moe_ep.core.device import cuda_device_count, describe_host, require_device
-from moe_ep.core.errors import (DeviceUnavailableError, MoEError, PeerLostError, PeerValidationError,
-                                ProcessGroupEnvError, ProcessGroupError, RankDisagreementError)
+from moe_ep.errors import (DeviceUnavailableError, MoEError, PeerLostError, PeerValidationError, ProcessGroupEnvError,
+                           ProcessGroupError, RankDisagreementError)
 
 __all__ = ["RankContext", "init_from_env", "destroy_at_normal_exit", "agree", "run_agreed", "all_to_all_rows",
            "all_gather_tensor", "all_reduce_max", "DEFAULT_TIMEOUT_S", "peer_lost", "check_group", "canonical"]

@@ -23,7 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
-from moe_ep.core.errors import MoEError
+from moe_ep.errors import MoEError
 
 __all__ = ["register_layer", "unregister_layer", "forward", "forward_out"]
 

@@ -14,10 +14,10 @@ import importlib.util
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Type, Union
 
-from moe_ep.core.errors import (BackendNotFoundError, BackendUnavailableError, FormatError, MoEError,
-                                RegistrationError)
+from moe_ep.core.backend import Backend
+from moe_ep.errors import BackendNotFoundError, BackendUnavailableError, FormatError, MoEError, RegistrationError
 from moe_ep.formats import FORMATS, check_format
 
 __all__ = ["BackendEntry", "BackendInfo", "register_backend", "unregister_backend", "get_entry", "resolve_backend",
@@ -106,8 +106,8 @@ def _add(name: str, target, *, arch: str, formats, description: str = "", probe=
     formats = tuple(formats)
     if not formats:
         raise RegistrationError("formats", "expected at least one format")
-    for f in formats:
-        check_format(f, "formats")
+    for fmt in formats:
+        check_format(fmt, "formats")
     if name in _REGISTRY and not replace:
         raise RegistrationError("name", f"backend {name!r} is already registered (pass replace=True to override)")
     entry = BackendEntry(name, target, arch, formats, description, probe)
@@ -165,17 +165,28 @@ def _module_present(module: str) -> bool:
         return False
 
 
-def resolve_backend(name: str):
+def resolve_backend(name: str) -> Type[Backend]:
     """The backend class for name, importing its module now. BackendUnavailableError says why it cannot (its
-    probe first: a kernel the pinned tree lacks is named before anything is imported)."""
+    probe first: a kernel the pinned tree lacks is named before anything is imported). The class is checked once
+    against its registration: a moe_ep.Backend (whose class attributes state its capabilities) serving every
+    format the entry names, or a RegistrationError."""
     entry = get_entry(name)
     if entry.probe is not None:
         reason = entry.probe()
         if reason:
             raise BackendUnavailableError("backend", reason)
-    if not isinstance(entry.target, str):
-        return entry.target
-    module, attr = entry.target.split(":", 1)
+    cls = entry.target if not isinstance(entry.target, str) else _import_target(name, entry.target)
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise RegistrationError("target", f"backend {name!r} resolves to {cls!r}, not a moe_ep.Backend subclass")
+    missing = [fmt for fmt in entry.formats if fmt not in cls.weight_formats]
+    if missing:
+        raise RegistrationError("formats", f"backend {name!r} is registered for {list(entry.formats)}, but "
+                                           f"{cls.__name__} serves {list(cls.weight_formats)} (not {missing})")
+    return cls
+
+
+def _import_target(name: str, target: str):
+    module, attr = target.split(":", 1)
     if not _module_present(module):
         raise BackendUnavailableError("backend", f"{name!r} needs module {module!r}, which is not installed here")
     try:
@@ -248,8 +259,7 @@ def select_backend(arch: str, fmt: Optional[str] = None, *, fallback: str = "tor
 
 
 # The torch reference is moe_ep's own; the kernel backends come from the format tables (KERNEL_TABLES).
-_add("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu",
-     formats=("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4", "w4a8_mxfp4", "w4a8_nvfp4"),
+_add("torch_reference", "moe_ep.reference.backend:TorchReferenceBackend", arch="cpu", formats=FORMATS,
      description="exact EP semantics in torch over torch.distributed; the oracle")
 
 # The split paths (moe_ep/split, docs/scale-out.md): torch over the group's transport on any device ("cpu" here, as

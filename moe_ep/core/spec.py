@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from moe_ep.core.errors import SpecError
+from moe_ep.errors import SpecError
 
 __all__ = ["MoESpec", "LayerGeometry"]
 
@@ -43,7 +43,7 @@ class MoESpec:
             object.__setattr__(self, "gate_up_clamp", float(c))
 
     def experts_per_rank(self, world_size: int) -> int:
-        from moe_ep.core.errors import WorldSizeError
+        from moe_ep.errors import WorldSizeError
 
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
             raise WorldSizeError("world_size", f"expected a positive int, got {world_size!r}")

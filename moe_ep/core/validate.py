@@ -1,7 +1,7 @@
 """Local (one-rank) checks. They raise typed errors naming the argument. The layer runs them on every call and
 either agrees with the other ranks on the outcome (dist.agree, on the calls its check schedule names) or, when
 they fail on this rank alone, takes part in the call with zero tokens before it raises, so a bad rank never
-strands the others (moe_ep/core/layer.py; docs/api.md, "Checks")."""
+strands the others (moe_ep/layer.py; docs/api.md, "Checks")."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ from typing import Optional
 import torch
 
 from moe_ep.core.dist import RankContext
-from moe_ep.core.errors import (CapacityError, CheckConfigError, DeviceError, DTypeError, NonContiguousError,
-                                ExpertIndexError, ShapeError, SpecError, TopKMismatchError, WeightsRankError,
-                                WorldSizeError)
-from moe_ep.formats import format_info
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
+from moe_ep.errors import (CapacityError, CheckConfigError, DeviceError, DTypeError, NonContiguousError,
+                           ExpertIndexError, ShapeError, SpecError, TopKMismatchError, WeightsRankError, WorldSizeError)
+from moe_ep.formats import format_info
 
 __all__ = ["validate_weights", "validate_spec_for_backend", "validate_forward", "check_expert_ids", "CHECKS_ENV",
            "checks_mode", "check_schedule"]
@@ -62,7 +61,7 @@ def validate_weights(spec: MoESpec, weights: ExpertWeights, ctx: RankContext, fm
     if tuple(weights.w2.shape) != (e_local, h, i):
         raise ShapeError("weights.w2", f"expected [{e_local}, {h}, {i}] ([E_local, H, I]), got {list(weights.w2.shape)}")
     if format_info(fmt).static_activation_scales:
-        from moe_ep.core.errors import CalibrationError
+        from moe_ep.errors import CalibrationError
 
         for name in ("act_amax", "fc2_act_amax"):
             if getattr(weights, name) is None:

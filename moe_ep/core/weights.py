@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
-from moe_ep.core.errors import (CalibrationError, DeviceError, DTypeError, FormatError, ShapeError, WeightsRankError,
-                                WorldSizeError)
-from moe_ep.formats import QuantizedWeights, codecs, format_violations
+from moe_ep.errors import CalibrationError, DTypeError, FormatError, ShapeError, WeightsRankError, WorldSizeError
+from moe_ep.formats import QuantizedWeights, check_pack
 
 __all__ = ["ExpertWeights", "QuantizedExpertWeights", "owner_rank"]
 
@@ -131,96 +130,6 @@ class ExpertWeights(_RankBlock):
         rank's block is taken). The backend lays out qw's bytes as they are (no requantization); the layer runs
         in qw.fmt. See QuantizedExpertWeights."""
         return QuantizedExpertWeights.of(qw, rank, world_size, num_experts, report=report)
-
-
-_F32, _E4M3, _U8 = torch.float32, torch.float8_e4m3fn, torch.uint8
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
-
-
-def pack_rules(fmt: str, e: int, h: int, i: int) -> Dict[str, Optional[Tuple[torch.dtype, Tuple[int, ...]]]]:
-    """What a QuantizedWeights pack of `fmt` holding e experts of hidden h, intermediate i must carry: field ->
-    (dtype, shape), or None where the field must be absent (moe_ep.formats.QuantizedWeights' docstring)."""
-    def q(dtype):
-        return dict(w13_q=(dtype, (e, 2 * i, h)), w2_q=(dtype, (e, h, i)))
-
-    none = dict.fromkeys(("w13_scale", "w2_scale", "w13_global_scale", "w2_global_scale", "act_scale",
-                          "fc2_act_scale"))
-    if fmt == "bf16":
-        return {**none, **q(torch.bfloat16)}
-    if fmt == "fp8_block":
-        return {**none, **q(_E4M3), "w13_scale": (_F32, (e, 2 * i // 128, h // 128)),
-                "w2_scale": (_F32, (e, h // 128, i // 128))}
-    if fmt == "fp8_tensor":
-        return {**none, **q(_E4M3), "w13_scale": (_F32, (e,)), "w2_scale": (_F32, (e,)), "act_scale": (_F32, (1,)),
-                "fc2_act_scale": (_F32, (1,))}
-    if fmt == "mxfp8":
-        return {**none, **q(_E4M3), "w13_scale": (_E8M0, (e, 2 * i, h // 32)), "w2_scale": (_E8M0, (e, h, i // 32))}
-    if fmt == "nvfp4":
-        return {**q(_U8), "w13_scale": (_E4M3, (e, 2 * i, h // 16)), "w2_scale": (_E4M3, (e, h, i // 16)),
-                "w13_global_scale": (_F32, (e,)), "w2_global_scale": (_F32, (e,)), "act_scale": (_F32, (1,)),
-                "fc2_act_scale": (_F32, (e,))}
-    if fmt == "w4a8_mxfp4":
-        return {**none, **q(_U8), "w13_scale": (_E8M0, (e, 2 * i, h // 32)), "w2_scale": (_E8M0, (e, h, i // 32))}
-    if fmt == "w4a8_nvfp4":
-        return {**none, **q(_U8), "w13_scale": (_E4M3, (e, 2 * i, h // 16)), "w2_scale": (_E4M3, (e, h, i // 16)),
-                "w13_global_scale": (_F32, (e,)), "w2_global_scale": (_F32, (e,))}
-    raise FormatError("weights.fmt", f"moe_ep does not know the pack layout of fmt {fmt!r}")
-
-
-# fp32 fields that are multipliers or divisors: a zero, negative, NaN or inf one is never a checkpoint's intent.
-_POSITIVE = ("w13_global_scale", "w2_global_scale", "act_scale", "fc2_act_scale")
-
-
-def check_pack(qw: QuantizedWeights, prefix: str = "weights.qw") -> None:
-    """Dtype, shape, device and value-range checks of a QuantizedWeights pack against its format's rules."""
-    if not isinstance(qw, QuantizedWeights):
-        raise DTypeError(prefix, f"expected moe_ep.QuantizedWeights, got {type(qw).__name__}")
-    for name in ("w13_q", "w2_q"):
-        t = getattr(qw, name)
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ShapeError(f"{prefix}.{name}", f"expected a 3-D tensor, got {getattr(t, 'shape', t)!r}")
-    e, n2, h = qw.w13_q.shape
-    i = qw.w2_q.shape[2]
-    if n2 != 2 * i:
-        raise ShapeError(f"{prefix}.w13_q", f"expected [E, 2*I, H] with I = {i} (from w2_q [E, H, I]), "
-                                            f"got {list(qw.w13_q.shape)}")
-    for arg, msg in format_violations(qw.fmt, h, i):
-        raise ShapeError(f"{prefix}.{'w13_q' if arg == 'hidden_size' else 'w2_q'}", msg)
-    device = qw.w13_q.device
-    for name, rule in pack_rules(qw.fmt, e, h, i).items():
-        t = getattr(qw, name)
-        arg = f"{prefix}.{name}"
-        if rule is None:
-            if t is not None:
-                raise ShapeError(arg, f"fmt {qw.fmt!r} carries no {name}; got a tensor")
-            continue
-        dtype, shape = rule
-        if not isinstance(t, torch.Tensor):
-            raise DTypeError(arg, f"fmt {qw.fmt!r} needs {name} as a {dtype} tensor {list(shape)}, got {t!r}")
-        if t.dtype != dtype:
-            raise DTypeError(arg, f"expected dtype {dtype} for fmt {qw.fmt!r}, got {t.dtype}")
-        if tuple(t.shape) != shape:
-            raise ShapeError(arg, f"expected {list(shape)} for fmt {qw.fmt!r}, got {list(t.shape)}")
-        if t.device != device:
-            raise DeviceError(arg, f"expected every tensor of the pack on {device} (w13_q's), got {t.device}")
-        if name in _POSITIVE and not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise ShapeError(arg, f"expected finite positive values, got {t.flatten()[:8].tolist()}")
-    if qw.fmt == "w4a8_mxfp4":  # the kernel's exponent window, per expert and weight tensor
-        for name in ("w13_scale", "w2_scale"):
-            for x, sc in enumerate(getattr(qw, name)):
-                c = sc.view(torch.uint8)
-                c = c[c != 255]
-                if c.numel() and int(c.max()) - int(c.min()) > codecs.MXFP4_MAX_SCALE_RANGE:
-                    raise ShapeError(f"{prefix}.{name}", f"expert {x}'s e8m0 scales span {int(c.max()) - int(c.min())} "
-                                                         f"binades; w4a8_mxfp4 carries {codecs.MXFP4_MAX_SCALE_RANGE}"
-                                                         f" (codecs.mxfp4_limit_scale_range brings a pack into it, "
-                                                         f"changing values: a requantization moe_ep does not do here)")
-    if qw.fmt in ("nvfp4", "w4a8_mxfp4", "w4a8_nvfp4"):
-        for name in ("w13_q", "w2_q"):
-            for x, codes in enumerate(getattr(qw, name)):  # an expert at a time: no pack-sized temporary
-                if bool((codes > 15).any()):
-                    raise ShapeError(f"{prefix}.{name}", f"{qw.fmt} codes are e2m1, one per byte (0..15); expert "
-                                                         f"{x} has a larger byte")
 
 
 @dataclass

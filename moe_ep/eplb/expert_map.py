@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from moe_ep.core.errors import DTypeError, ExpertMapError, ShapeError, WorldSizeError
+from moe_ep.errors import DTypeError, ExpertMapError, ShapeError, WorldSizeError
 
 __all__ = ["ExpertMap"]
 

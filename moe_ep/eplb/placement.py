@@ -8,10 +8,10 @@ from dataclasses import replace
 from typing import Optional
 
 from moe_ep.core.dist import RankContext
-from moe_ep.core.errors import DTypeError, ExpertMapError, LoadCountsError
 from moe_ep.core.spec import MoESpec
 from moe_ep.eplb.expert_map import ExpertMap
 from moe_ep.eplb.router import ID_SPACES, SlotRouter
+from moe_ep.errors import DTypeError, ExpertMapError, LoadCountsError
 
 __all__ = ["slot_spec", "router", "no_counters"]
 

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from moe_ep.core.errors import LoadCountsError
 from moe_ep.eplb.expert_map import ExpertMap
+from moe_ep.errors import LoadCountsError
 
 __all__ = ["SlotRouter", "ID_SPACES"]
 

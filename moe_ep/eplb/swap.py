@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from moe_ep.core.backend import Backend
 from moe_ep.core.dist import all_to_all_rows, run_agreed
-from moe_ep.core.errors import (BackendUnavailableError, CalibrationError, DTypeError, ExpertIndexError,
-                                ExpertMapError, FormatError, ShapeError)
 from moe_ep.eplb.expert_map import ExpertMap
+from moe_ep.errors import (BackendUnavailableError, CalibrationError, DTypeError, ExpertIndexError, ExpertMapError,
+                           FormatError, ShapeError)
 from moe_ep.formats import QuantizedWeights, format_info, quantize_weights
 
 __all__ = ["replace_experts", "rearrange"]

@@ -24,7 +24,8 @@ __all__ = [
     "interleave_gate_up", "deinterleave_gate_up", "w13_block_rows", "fp8_quantize_w13_blocks", "fp8_block_mm",
     "fp8_tensor_scale_from_amax", "fp8_quantize_static", "fp8_quantize_per_expert",
     "mxfp8_quantize", "e8m0_to_float", "mxfp8_dequantize",
-    "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_dequantize_raw",
+    "E2M1_VALUES", "e2m1_encode", "e2m1_decode", "nvfp4_global_scale", "nvfp4_quantize", "nvfp4_quantize_experts",
+    "nvfp4_dequantize_raw",
     "nvfp4_dequantize", "nvfp4_alpha",
     "MXFP4_MAX_SCALE_RANGE", "W4A8_FC2_SAFE_AMAX", "mxfp4_quantize", "mxfp4_dequantize", "mxfp4_limit_scale_range",
     "mxfp4_kernel_operand", "w4a8_nvfp4_kernel_operand",
@@ -276,6 +277,15 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> Tuple[torch.T
     return codes, sf
 
 
+def nvfp4_quantize_experts(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert weights [E, N, K] -> (e2m1 codes, e4m3 scales per 16, global scale [E] = 448 * 6 / amax of each
+    expert): the NVFP4 weight codec."""
+    e = w.shape[0]
+    g = nvfp4_global_scale(w.to(torch.float32).abs().reshape(e, -1).amax(dim=1))
+    q, sf = nvfp4_quantize(w, g.reshape(e, 1, 1))
+    return q, sf, g
+
+
 def nvfp4_dequantize_raw(codes: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     """q * sf (exact in fp32): what the block-scaled MMA multiplies before alpha."""
     return e2m1_decode(codes) * sf.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=-1)
@@ -387,7 +397,7 @@ def w4a8_nvfp4_kernel_operand(codes: torch.Tensor, sf: torch.Tensor,
                               global_scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """One expert's NVFP4 weight [N, K] as an SM90 W4A8 kernel multiplies it: the FP8 operand e4m3(q * sf / 8)
     (rounded to nearest even: the product of an e2m1 value and an e4m3 scale needs up to five significant bits)
-    and the residual 8 / g, restored on the accumulator (FlashInfer 0.7.4's Hopper NVFP4 x FP8 contract:
-    kernel_src/sm90/pull_style_cutedsl_megakernel/shim/nvfp4_kernels.py and its backend's weights.py)."""
+    and the residual 8 / g, restored on the accumulator (FlashInfer's Hopper NVFP4 x FP8 contract, in the carrier
+    wheel: kernel_src/sm90/pull_style_cutedsl_megakernel/shim/nvfp4_kernels.py and its backend's weights.py)."""
     operand = to_e4m3(nvfp4_dequantize_raw(codes, sf) * 0.125).to(torch.float32)
     return operand, torch.reciprocal(global_scale.to(torch.float32).reshape(())) * 8.0

@@ -41,9 +41,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from moe_ep.core.dist import RankContext, all_gather_tensor, run_agreed
-from moe_ep.core.errors import IntegrationError
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.errors import IntegrationError
+from moe_ep.formats import format_info
 from moe_ep.module import MoEModule, guard_conversions
 
 __all__ = ["IMPLEMENTATION", "swap_experts", "experts_modules", "refusals", "save_pretrained", "close"]
@@ -455,7 +456,7 @@ def save_pretrained(model: torch.nn.Module, save_directory, *args, is_main_proce
     def check():
         for s in state.sites:
             layer = state.layers[s.name]
-            if layer.layer.fmt != "bf16":
+            if format_info(layer.layer.fmt).quantized:
                 raise IntegrationError(s.name, f"its moe_ep layer holds the experts in fmt {layer.layer.fmt!r}: "
                                                f"written in transformers' layout ({s.dtype}) they would be neither "
                                                f"the model's weights nor what moe_ep computes; save the model "

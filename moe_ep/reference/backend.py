@@ -31,10 +31,10 @@ import torch
 
 from moe_ep.core.backend import Backend
 from moe_ep.core.dist import all_to_all_rows
-from moe_ep.core.errors import ExpertIndexError, RankDivergenceError
 from moe_ep.core.watchdog import divergence, sequence
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
-from moe_ep.formats import QuantizedActivation, QuantizedWeights, packs
+from moe_ep.errors import ExpertIndexError, RankDivergenceError
+from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights, packs
 from moe_ep.reference import ffn
 
 __all__ = ["TorchReferenceBackend"]
@@ -43,7 +43,7 @@ __all__ = ["TorchReferenceBackend"]
 class TorchReferenceBackend(Backend):
     name = "torch_reference"
     arch = "cpu"
-    weight_formats = ("bf16", "fp8_block", "fp8_tensor", "mxfp8", "nvfp4", "w4a8_mxfp4", "w4a8_nvfp4")
+    weight_formats = FORMATS
 
     def __init__(self, spec, ctx, fmt: Optional[str] = None, apply_topk_in_fc1: bool = True,
                  keep_staged: bool = True, carry_fingerprint: bool = True):

@@ -18,45 +18,26 @@ import torch
 import torch.distributed as dist
 
 from moe_ep.core.dist import RankContext, all_gather_tensor
-from moe_ep.core.errors import OracleMismatchError
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
-from moe_ep.formats import QuantizedActivation, QuantizedWeights, packs
+from moe_ep.errors import OracleMismatchError
+from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights, format_info, packs
 from moe_ep.reference import ffn
 
-__all__ = ["OUTPUT_TOLERANCE", "kernel_row_tolerance", "WEIGHT_TOLERANCE", "oracle_forward", "gather_quantized_weights", "compare",
-           "RankCheck", "OracleReport", "check_multirank", "logical_weights"]
+__all__ = ["OUTPUT_TOLERANCE", "kernel_row_tolerance", "WEIGHT_TOLERANCE", "oracle_forward", "gather_quantized_weights",
+           "compare", "RankCheck", "OracleReport", "check_multirank", "logical_weights"]
 
-# Largest per-token relative L2 error of a backend's output against the oracle. The oracle repeats the
-# kernels' quantization steps, so what is left is fp32 accumulation order, the bf16 output rounding and, for
-# the quantized formats, the odd FC2-input element landing on the other side of a rounding boundary (one
-# e2m1 step is large, hence nvfp4's looser bound).
-OUTPUT_TOLERANCE: Dict[str, float] = {"bf16": 1e-2, "fp8_block": 3e-2, "fp8_tensor": 3e-2, "mxfp8": 3e-2,
-                                      "nvfp4": 1e-1, "w4a8_mxfp4": 3e-2, "w4a8_nvfp4": 3e-2}
+# Per format (moe_ep/formats/<fmt>.py says why each is what it is): the largest per-token relative L2 error of a
+# backend's output against the oracle, and the largest per-expert relative L2 error of dequant(reported weights)
+# against the canonical bf16 weights.
+OUTPUT_TOLERANCE: Dict[str, float] = {fmt: format_info(fmt).output_tolerance for fmt in FORMATS}
+WEIGHT_TOLERANCE: Dict[str, float] = {fmt: format_info(fmt).weight_tolerance for fmt in FORMATS}
 
 
 def kernel_row_tolerance(fmt: str, intermediate_size: int) -> float:
-    """The per-token bound (worst row's relative L2) a kernel's output is held to against this oracle.
-
-    Formats whose kernel requantizes the FC2 input to e4m3 (fp8_block and w4a8_mxfp4 per 1x64 block, fp8_tensor
-    with one static scale): the kernel's fp32 sums differ from the oracle's in order, so an FC2-input element now
-    and then rounds to the neighbouring e4m3 value, which moves a token's output by about 2^-4/sqrt(I) relative:
-    max(0.03, 0.75/sqrt(I)) for the block-scaled ones (seen on the H200: worst of 4096 tokens 0.031 at I=256).
-    fp8_tensor's static scale is sized by the calibrated amax, so a token whose SwiGLU output sits well below it
-    is quantized on fewer levels and a flip weighs more: twice the bound (seen on the H200 with the blockwise rule:
-    0.045-0.052 at I=256 and 0.033 at I=2048, over 0.047 and 0.030). Other formats: OUTPUT_TOLERANCE."""
-    base = OUTPUT_TOLERANCE[fmt]
-    if fmt in ("fp8_block", "w4a8_mxfp4"):
-        return max(base, 0.75 / intermediate_size ** 0.5)
-    if fmt == "fp8_tensor":
-        return max(2 * base, 1.5 / intermediate_size ** 0.5)
-    return base
-
-
-# Largest per-expert relative L2 error of dequant(reported weights) against the canonical bf16 weights: the
-# format's own quantization error with headroom (e4m3 ~2.7%, e2m1 ~9.5% on Gaussian weights with e4m3 block
-# scales, ~12% with power-of-two ones).
-WEIGHT_TOLERANCE: Dict[str, float] = {"bf16": 1e-6, "fp8_block": 5e-2, "fp8_tensor": 5e-2, "mxfp8": 6e-2,
-                                      "nvfp4": 1.5e-1, "w4a8_mxfp4": 1.8e-1, "w4a8_nvfp4": 1.5e-1}
+    """The per-token bound (worst row's relative L2) a kernel's output is held to against this oracle: looser than
+    OUTPUT_TOLERANCE where the kernel requantizes the FC2 input in another summation order (docs/reference.md,
+    "Tolerances")."""
+    return format_info(fmt).kernel_row_tolerance(intermediate_size)
 
 
 @contextlib.contextmanager

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from moe_ep.core import registry
 from moe_ep.core.backend import Backend
 from moe_ep.core.dist import RankContext
-from moe_ep.core.errors import SpecError, TuningError
 from moe_ep.core.spec import MoESpec
+from moe_ep.errors import SpecError, TuningError
 from moe_ep.formats import FORMATS
 from moe_ep.split import plan as plans
 from moe_ep.split import topology
@@ -52,8 +52,7 @@ def _whole_group(device: torch.device, fmt: str):
 def default_candidates(ctx: RankContext, fmt: str, dmap: topology.DomainMap) -> List[Candidate]:
     out: List[Candidate] = []
     whole = _whole_group(ctx.device, fmt)
-    if whole is not None and (dmap.num_domains == 1 or not getattr(registry.resolve_backend(whole), "needs_p2p",
-                                                                       False)):
+    if whole is not None and (dmap.num_domains == 1 or not registry.resolve_backend(whole).needs_p2p):
         out.append((whole, whole, {}))
     if dmap.num_domains > 1 and dmap.uniform:
         out.append(("two_level", "two_level", {}))
@@ -144,7 +143,7 @@ class AutoBackend(Backend):
             problems = cls.check_spec(self.spec, self.fmt, self.ctx.world_size)
             if problems:
                 raise SpecError(problems[0][0], problems[0][1])
-            if getattr(cls, "needs_p2p", False):
+            if cls.needs_p2p:
                 topology.require_one_domain(self.domains, name)
             backend = cls(self.spec, self.ctx, fmt=self.fmt, **options)
             backend.prepare_weights(weights)
@@ -217,7 +216,7 @@ class AutoBackend(Backend):
         if hasattr(backend, "describe"):
             d = backend.describe()
         else:
-            d = dict(path="fused" if getattr(backend, "needs_p2p", False) else
+            d = dict(path="fused" if backend.needs_p2p else
                      ("reference" if name == "torch_reference" else name), backend=name)
         self.plan = plans.Plan(domains=str(self.domains), capacity=self.spec.max_tokens_per_rank, source=source,
                                scores_us=scores, **d)

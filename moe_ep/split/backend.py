@@ -23,9 +23,9 @@ import torch
 
 from moe_ep.core.backend import Backend
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import ExpertIndexError, SpecError
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.watchdog import divergence, sequence
+from moe_ep.errors import ExpertIndexError, SpecError
 from moe_ep.formats import FORMATS, QuantizedActivation
 from moe_ep.split import engine as engines
 from moe_ep.split.layout import Layout, Rows, slot_owners

@@ -29,9 +29,9 @@ import torch
 
 from moe_ep.core import registry
 from moe_ep.core.dist import RankContext
-from moe_ep.core.errors import BackendUnavailableError, FormatError, SpecError
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import QuantizedExpertWeights
+from moe_ep.errors import BackendUnavailableError, FormatError, SpecError
 from moe_ep.formats import FORMATS, QuantizedActivation, QuantizedWeights, packs
 from moe_ep.reference.oracle import oracle_forward
 

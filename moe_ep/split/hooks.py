@@ -1,4 +1,4 @@
-"""The split paths' few hooks into MoELayer (moe_ep/core/layer.py): the group's domain map at construction, the
+"""The split paths' few hooks into MoELayer (moe_ep/layer.py): the group's domain map at construction, the
 topology refusal of fused backends, the default format of the path backends, and the layer's plan."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ domain_map = topology.domain_map
 def check_topology(cls, name: str, dmap: topology.DomainMap) -> None:
     """A backend that reaches its peers by P2P (its class says `needs_p2p`) is refused on a group of several NVLink
     domains (TopologyError naming the ranks it cannot reach)."""
-    if getattr(cls, "needs_p2p", False):
+    if cls.needs_p2p:
         topology.require_one_domain(dmap, name)
 
 

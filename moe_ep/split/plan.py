@@ -58,8 +58,7 @@ def plan_of(layer) -> Plan:
         return own
     dmap = topology.domain_map(layer.ctx)
     d = be.describe() if hasattr(be, "describe") else {
-        "path": "fused" if getattr(be, "needs_p2p", False) else ("reference" if be.name == "torch_reference"
-                                                                  else be.name),
+        "path": "fused" if be.needs_p2p else ("reference" if be.name == "torch_reference" else be.name),
         "backend": layer.backend_name}
     return Plan(domains=str(dmap), capacity=layer.spec.max_tokens_per_rank, source="fixed", **d)
 

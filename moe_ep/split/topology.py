@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ep.core.dist import RankContext
-from moe_ep.core.errors import TopologyError
+from moe_ep.errors import TopologyError
 
 __all__ = ["ENV", "DomainMap", "parse_domains", "domain_map", "require_one_domain", "forget"]
 

@@ -36,8 +36,8 @@ from typing import List, Optional
 
 import torch
 
-from moe_ep.core.errors import BackendUnavailableError, FormatError, SpecError
 from moe_ep.core.weights import QuantizedExpertWeights
+from moe_ep.errors import BackendUnavailableError, FormatError, SpecError
 from moe_ep.formats import packs
 from moe_ep.formats.codecs import FP8_ACT_BLOCK_K, FP8_WEIGHT_BLOCK, fp8_block_mm, fp8_quantize_rows
 from moe_ep.split.engine import LocalEngine

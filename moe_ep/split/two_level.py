@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from moe_ep.core import registry
 from moe_ep.core.dist import RankContext
-from moe_ep.core.errors import BackendUnavailableError, SpecError, TopologyError
 from moe_ep.core.spec import MoESpec
+from moe_ep.errors import BackendUnavailableError, SpecError, TopologyError
 from moe_ep.split import engine as engines
 from moe_ep.split import topology
 from moe_ep.split.backend import SplitBackend

@@ -243,7 +243,7 @@ def check_architecture(arch: str, model_type: Optional[str], kind: str, *, group
     if not experts_modules(model, ctx.world_size):  # refused (or no routed experts): the swap must say so
         try:
             swap_experts(model, group=group, backend=backend, fmt=fmt, max_tokens_per_rank=capacity)
-        except moe_ep.IntegrationError as e:
+        except moe_ep.errors.IntegrationError as e:
             return dict(row, status="refused", error=type(e).__name__, argument=e.argument, why=e.detail)
         close(model)
         return dict(row, status="served", ok=False, why="refusals() named modules but swap_experts served them")

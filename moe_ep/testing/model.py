@@ -12,9 +12,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from moe_ep.core.layer import MoELayer
 from moe_ep.core.spec import MoESpec
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.layer import MoELayer
 
 __all__ = ["MoEBlock", "MoEModel", "route"]
 

@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from moe_ep.core import registry
 from moe_ep.core.dist import RankContext, init_from_env
-from moe_ep.core.errors import MoEError
-from moe_ep.formats import format_info
-from moe_ep.core.layer import MoELayer
 from moe_ep.core.spec import MoESpec
+from moe_ep.errors import MoEError
+from moe_ep.formats import format_info
+from moe_ep.layer import MoELayer
 from moe_ep.reference.oracle import check_multirank
 from moe_ep.testing.problems import Problem
 

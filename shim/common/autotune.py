@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence
 
-from moe_ep.core.errors import TuningError
+from moe_ep.errors import TuningError
 
 __all__ = ["AutotuneResult", "CandidateMismatchError", "NoViableCandidateError", "collective_autotune"]
 

@@ -1,9 +1,10 @@
 """What every kernel backend does, whatever the tree: the moe_ep.Backend contract over one shim frontend.
 
 A backend serves one row of its arch's format table (shim/<arch>/formats.py). The arch module
-(shim/sm90/backend.py, shim/sm100/backend.py) defines the arch's class (its table, knobs module and autotune) and
-generates one subclass per row (`KernelBackend.row_classes`), named as the row's `target` names it; moe_ep's
-registry resolves them by those lazy strings. moe_ep never imports shim.
+(shim/sm90/backend.py, shim/sm100/backend.py) defines the arch's class (its table, knobs module and autotune) and,
+beside it, one subclass per row, written out and bound to its row by format (`class Sm90Fp8Backend(Sm90Backend,
+fmt="fp8_block")`: the row's `target` must name that class); moe_ep's registry resolves them by those lazy strings.
+moe_ep never imports shim.
 
 The phases, each a final composer (shim/common/phases.py: an arch class cannot replace one by accident):
   validate   before construction, by the layer: the device's arch (moe_ep.core.device.require_arch, the same
@@ -20,14 +21,14 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import ClassVar, Dict, List, Optional, Tuple
+from typing import ClassVar, List, Optional, Tuple
 
 import torch
 
 from moe_ep.core.backend import Backend
-from moe_ep.core.errors import BackendUnavailableError
 from moe_ep.core.spec import LayerGeometry
 from moe_ep.core.weights import ExpertWeights
+from moe_ep.errors import BackendUnavailableError
 from moe_ep.formats import QuantizedActivation, QuantizedWeights
 from shim.common.formats import FormatTable, KernelFormat
 from shim.common.knob_cache import KnobCache, cache_key
@@ -61,8 +62,8 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     # Set by each arch: its format table and knobs module (resolve_knobs, the knob type).
     table: ClassVar[FormatTable]
     knobs_module: ClassVar[ModuleType]
-    # Set on each generated row class: the row it serves.
-    format: ClassVar[KernelFormat]
+    # Bound on each row class (`fmt=` in its class statement): the row it serves.
+    row: ClassVar[KernelFormat]
     # The frontend copies both into its buffers on every path anyway; the copy converts (shim/common/frontend.py).
     input_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     routing_weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
@@ -71,18 +72,18 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     # (moe_ep/split/topology.py); backend="auto" plans two_level or split there.
     needs_p2p = True
 
-    @classmethod
-    def row_classes(cls) -> Dict[str, type]:
-        """One subclass of this arch class per row of its table, by class name (the row's `target`): what the
-        arch module binds at import, so that "shim.<arch>.backend:<Class>" resolves."""
-        out = {}
-        for row in cls.table:
-            module, name = row.target.split(":", 1)
-            if module != cls.__module__:
-                raise ValueError(f"row {row.backend!r} targets {row.target!r}, outside {cls.__module__}")
-            out[name] = type(name, (cls,), dict(__module__=module, __qualname__=name, __doc__=row.description,
-                                                name=row.backend, format=row, weight_formats=(row.fmt,)))
-        return out
+    def __init_subclass__(cls, fmt: Optional[str] = None, **kwargs):
+        """`class X(<Arch>Backend, fmt="...")` binds X to its table's row for that format: its name, the format it
+        serves and the frontend it builds all come from the row, whose `target` must name X (what the registry
+        resolves)."""
+        super().__init_subclass__(**kwargs)
+        if fmt is None:
+            return
+        row = cls.table.row(fmt)
+        if row.target != f"{cls.__module__}:{cls.__qualname__}":
+            raise ValueError(f"{cls.__module__}.{cls.__qualname__} serves {fmt!r}, whose row {row.backend!r} "
+                             f"targets {row.target!r}")
+        cls.row, cls.name, cls.weight_formats = row, row.backend, (row.fmt,)
 
     # -- validate ----------------------------------------------------------------------------------------------
     @final
@@ -108,7 +109,7 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     @classmethod
     def check_spec(cls, spec, fmt: str, world_size: int) -> List[Tuple[str, str]]:
         """The format's own size rules (moe_ep.formats), then the kernel's (its row)."""
-        return list(super().check_spec(spec, fmt, world_size)) + cls.format.size_violations(
+        return list(super().check_spec(spec, fmt, world_size)) + cls.row.size_violations(
             hidden=spec.hidden_size, intermediate=spec.intermediate_size, top_k=spec.top_k)
 
     # -- hooks (per arch) --------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     # -- weights: knobs once, before any workspace, then the one frontend ----------------------------------------
     @classmethod
     def frontend_class(cls):
-        return cls.format.frontend_class()
+        return cls.row.frontend_class()
 
     @final
     def resolve_knobs(self, weights: ExpertWeights, tune=None):
@@ -173,7 +174,7 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     @final
     def make_frontend(self, knobs):
         """A frontend (one workspace) for this layer with the given knob set."""
-        return self.frontend_class()(self.spec, self.ctx, knobs, kernel_format=self.format,
+        return self.frontend_class()(self.spec, self.ctx, knobs, row=self.row,
                                      max_active_clusters=self.max_active_clusters)
 
     @final
@@ -198,7 +199,7 @@ class KernelBackend(Composed, LayerGeometry, Backend):
     @property
     def internal_graphs(self) -> bool:
         """Whether eager calls replay one internal CUDA graph per token count (the default) or launch through the
-        CuTe executor every time (~200 us of host time a call on the H200 host; for comparisons)."""
+        CuTe executor every time (hundreds of microseconds of host time a call: docs/shim.md; for comparisons)."""
         return self._internal_graphs
 
     @internal_graphs.setter
@@ -220,14 +221,9 @@ class KernelBackend(Composed, LayerGeometry, Backend):
 
     @final
     def replace_experts(self, local_slots, weights: QuantizedWeights) -> None:
-        # Into the tensors the compiled kernel and every captured graph already point at, through the arch's own
-        # packer (shim/<arch>/weights.py: <Arch>KernelWeights.replace_experts): same addresses, a fresh load's bytes.
-        kernel_weights = self.frontend.weights
-        write = getattr(kernel_weights, "replace_experts", None)
-        if write is None:
-            raise BackendUnavailableError("backend", f"{self.name!r} ({type(kernel_weights).__name__}) cannot "
-                                                     "replace experts in place yet")
-        write(local_slots, weights)
+        # Into the tensors the compiled kernel and every captured graph already point at, through the format's own
+        # layout (shim/common/weights.py KernelWeights.replace_experts): same addresses, a fresh load's bytes.
+        self.frontend.weights.replace_experts(local_slots, weights)
 
     @final
     def staged_activation(self) -> QuantizedActivation:
@@ -248,14 +244,14 @@ def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=Non
     (check_compile_target); knobs resolve as explicit > heuristic (the user's knob cache is not read, so a compile
     check does not depend on the machine it runs on)."""
     from moe_ep.core.dist import RankContext
-    from moe_ep.core.errors import SpecError
+    from moe_ep.errors import SpecError
     from moe_ep.core.registry import resolve_backend
 
     cls = resolve_backend(backend) if isinstance(backend, str) else backend
-    fmt = fmt or cls.format.fmt
-    if fmt != cls.format.fmt:
+    fmt = fmt or cls.row.fmt
+    if fmt != cls.row.fmt:
         raise SpecError("fmt", f"the {cls.arch} kernels serve {list(cls.table.fmts)}; {cls.name!r} serves "
-                               f"{cls.format.fmt!r}, got {fmt!r}")
+                               f"{cls.row.fmt!r}, got {fmt!r}")
     problems = cls.check_spec(spec, fmt, world_size)
     if problems:
         argument, message = problems[0]
@@ -264,5 +260,5 @@ def compile_only_frontend(backend, spec, *, fmt: Optional[str] = None, knobs=Non
     knob_set, _ = cls.knobs_module.resolve_knobs(knobs, fmt=fmt, max_tokens_per_rank=spec.max_tokens_per_rank,
                                                  cache_key="", cache=KnobCache(""), hidden=spec.hidden_size,
                                                  intermediate=spec.intermediate_size)
-    return cls.frontend_class()(spec, RankContext.detached(rank, world_size), knob_set, kernel_format=cls.format,
+    return cls.frontend_class()(spec, RankContext.detached(rank, world_size), knob_set, row=cls.row,
                                 compile_only=True)

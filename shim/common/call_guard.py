@@ -42,16 +42,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from moe_ep.core.errors import CheckConfigError, RankDivergenceError
 from moe_ep.core.watchdog import sequence
+from moe_ep.errors import CheckConfigError, RankDivergenceError
 
 __all__ = ["ENV", "SLOTS", "DEFAULT_ON", "requested", "available", "enabled", "PoolGuard", "Guard", "attach",
            "word", "describe", "SimRank", "simulate_launch"]
 
 ENV = "MOE_EP_CALL_GUARD"
 SLOTS = 4
-# Off by default: the rule is on when it costs <= 3 us a call at T=1 and T=128, eager and in a graph; the H200 measured
-# 4.0-7.4 us (tools/diag/call_guard_cost.py; docs/watchdog.md holds the numbers). $MOE_EP_CALL_GUARD=1 turns it on.
+# Off by default: the rule is on when it costs <= 3 us a call at T=1 and T=128, eager and in a graph, and it costs
+# more (tools/diag/call_guard_cost.py; docs/watchdog.md holds the numbers). $MOE_EP_CALL_GUARD=1 turns it on.
 DEFAULT_ON = False
 # A group of one cannot fall out of step: no guard there (a split path's local kernel, a one-GPU job), unless the cost
 # diagnostic asks for one to time the protocol at W=1.

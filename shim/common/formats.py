@@ -7,8 +7,8 @@ arch. From a row come:
   * availability: whether the arch's pinned tree holds `kernel_module`, found by looking for the file, without
     importing the kernel or cutlass (`missing_kernel`);
   * the size rules (`size_violations`: H and I multiples, top_k), asked before anything is allocated;
-  * the backend class (shim/<arch>/backend.py generates one per row, named by `target`), its served format, and
-    the frontend it builds (`frontend`, a lazy "module:Class");
+  * what the backend class serves (written out in shim/<arch>/backend.py, `class X(<Arch>Backend, fmt=...)`, and
+    named by `target`): its name, its format, and the frontend it builds (`frontend`, a lazy "module:Class");
   * the knobs' per-format facts: the kernel class whose KNOB_SPACE entry a knob set draws from (`kernel_classes[0]`),
     the FP8 scale mode, the name of the in-kernel reduce argument.
 
@@ -41,6 +41,9 @@ class KernelFormat:
     target: str  # "module:Class" the registry resolves: the backend class generated for this row
     scale_mode: Optional[str] = None  # the sm90 FP8 kernel's fp8_scale_mode ("blockwise" / "per_tensor")
     reduce_kwarg: str = "fc2_in_kernel_topk_reduce"  # the constructor's name for the in-kernel fc2 top-k reduce
+    # Which token-back modes the in-kernel fc2 reduce runs with: "epi_warps" (only the epilogue warps'),
+    # "dispatch" (only a dispatch-warp mode), None (any). A knob set outside it is refused, never guessed.
+    reduce_token_back: Optional[str] = None
     max_top_k: int = 32  # dispatch assigns 32 // top_k tokens per warp pass (src/token_comm.py, both trees)
     # Further drop modules the kernel needs, when kernel_module (where its class is defined) predates it: sm90's
     # W4A8 class sits in megamoe_kernel_fp8.py, which older drops have without it and without its mainloop module.

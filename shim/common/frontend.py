@@ -9,7 +9,7 @@ run the phases in order, calling hooks the arch (shim/<arch>/frontend.py) and th
   buffers  input_buffers() (the peer-read inputs), kernel_buffers() (rank-local extras): the layer's share of the
            process's workspace (shim/common/workspace.py: staging buffers, kernel workspaces and graph memory are
            shared by every layer)
-  weights  prepare_weights(weights), placeholder_weights() (arch: the tree's layout, shim/<arch>/weights.py)
+  weights  `weights_layout`, the format's KernelWeights class (shim/common/weights.py): load, read-back, swap
   compile  one cute.compile per compile key (process-wide cache), then check_on_device() once on a device
   stage    prepare_routing(t), stage_activations(x)
   launch   activation_args(b, rows), weight_args(b, w), output_args(b, out), workspace_args(b)
@@ -18,14 +18,14 @@ run the phases in order, calling hooks the arch (shim/<arch>/frontend.py) and th
 The layer has validated every input and the spec (its row of shim/<arch>/formats.py) before a frontend sees them,
 so frontends do not check them again.
 
-Launch policy below capacity (measured on an H200 with the Hopper FP8 kernel, drop 0.7.2.post1; see
-docs/shim.md): inputs are passed capacity-sized, spare rows carrying expert id -1, which dispatch skips; the
-top-k reduce covers only the T real rows. A rank with T = 0 thus still joins the kernel's cross-rank barriers.
+Launch policy below capacity (docs/shim.md says how it was chosen): inputs are passed capacity-sized, spare rows
+carrying expert id -1, which dispatch skips; the top-k reduce covers only the T real rows. A rank with T = 0 thus
+still joins the kernel's cross-rank barriers.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -38,6 +38,7 @@ from shim.common.formats import FormatTable, KernelFormat
 from shim.common.graph_cache import GraphCache, buffers_key
 from shim.common.knobs import InvalidKnobsError
 from shim.common.phases import Composed, final
+from shim.common.weights import KernelWeights
 from shim.common.workspace import BufferSpec
 
 _capturing = torch._C._cuda_isCurrentStreamCapturing if hasattr(torch._C, "_cuda_isCurrentStreamCapturing") \
@@ -49,17 +50,18 @@ __all__ = ["MegaMoEFrontend"]
 class MegaMoEFrontend(Composed, LayerGeometry):
     arch = ""  # "sm90" / "sm100"
     table: FormatTable  # the arch's format table (shim/<arch>/formats.py)
-    fmt = ""  # the moe_ep format this class serves by default (its row: `format`)
+    fmt = ""  # the moe_ep format this class serves (its row of the table: `row`)
+    weights_layout: Type[KernelWeights]  # the format's kernel weight layout
     # SMs of the part a compile-only build (no GPU to ask) assumes when sizing the persistent grid.
     compile_only_sm_count = 0
 
     @final
-    def __init__(self, spec: MoESpec, ctx: RankContext, knobs, *, kernel_format: Optional[KernelFormat] = None,
+    def __init__(self, spec: MoESpec, ctx: RankContext, knobs, *, row: Optional[KernelFormat] = None,
                  compile_only: bool = False, max_active_clusters: Optional[int] = None):
-        """kernel_format: the table row served (default: the row of this class's `fmt`); one frontend class may
-        serve several rows (the same kernel under another scale mode)."""
-        if kernel_format is not None:
-            self._format, self.fmt = kernel_format, kernel_format.fmt
+        """row: the table row served (default: the row of this class's `fmt`; a test passes one with other size
+        rules)."""
+        if row is not None:
+            self._row = row
         self.spec, self.ctx, self.knobs, self.compile_only = spec, ctx, knobs, compile_only
         self.device = torch.device("cpu") if compile_only else ctx.device
         if not compile_only:
@@ -88,21 +90,21 @@ class MegaMoEFrontend(Composed, LayerGeometry):
 
     @final
     @classmethod
-    def unbuilt(cls, spec: MoESpec, ctx: RankContext, knobs, *, kernel_format: Optional[KernelFormat] = None,
+    def unbuilt(cls, spec: MoESpec, ctx: RankContext, knobs, *, row: Optional[KernelFormat] = None,
                 max_active_clusters: int):
         """A frontend holding only what build_kernel reads (no device, no kernel, no buffers): the tuner's build
         check asks the kernel's constructor with it."""
         fe = object.__new__(cls)
-        if kernel_format is not None:
-            fe._format, fe.fmt = kernel_format, kernel_format.fmt
+        if row is not None:
+            fe._row = row
         fe.spec, fe.ctx, fe.knobs, fe.compile_only = spec, ctx, knobs, True
         fe.max_active_clusters = int(max_active_clusters)
         return fe
 
     @property
-    def format(self) -> KernelFormat:
+    def row(self) -> KernelFormat:
         """This frontend's row of the arch's format table."""
-        row = self.__dict__.get("_format")
+        row = self.__dict__.get("_row")
         return row if row is not None else self.table.row(self.fmt)
 
     def static_expert_shape(self) -> Tuple[int, int, int]:
@@ -138,15 +140,6 @@ class MegaMoEFrontend(Composed, LayerGeometry):
     def kernel_buffers(self) -> List[BufferSpec]:
         """Rank-local buffers the kernel's launch needs beyond its workspaces, shared by its layout."""
         return []
-
-    # -- hooks: weights ----------------------------------------------------------------------------------------
-    def prepare_weights(self, weights):
-        """moe_ep.ExpertWeights -> this format's kernel weights (shim/<arch>/weights.py)."""
-        raise NotImplementedError
-
-    def placeholder_weights(self):
-        """Zero weights of the kernel's shapes and dtypes: what a compile without real weights is given."""
-        raise NotImplementedError
 
     # -- hooks: compile, stage -----------------------------------------------------------------------------------
     def check_on_device(self) -> None:
@@ -243,8 +236,9 @@ class MegaMoEFrontend(Composed, LayerGeometry):
     # -- weights -----------------------------------------------------------------------------------------------
     @final
     def load_weights(self, weights):
-        """Lay out a moe_ep.ExpertWeights (validated by the layer) for the kernel; returns the kernel weights."""
-        self._weights = self.prepare_weights(weights)
+        """Lay out the layer's weights (a moe_ep.ExpertWeights or QuantizedExpertWeights, validated by the layer) for
+        the kernel; returns the kernel weights."""
+        self._weights = self.weights_layout.prepare(weights, self.device)
         self._args_cache.clear()
         self.graphs.clear(forget_seen=False)
         return self._weights
@@ -268,8 +262,9 @@ class MegaMoEFrontend(Composed, LayerGeometry):
 
     def _runtime_args(self, b: ArgBuilder, rows: int, out: torch.Tensor) -> dict:
         """Kernel arguments for a launch over the first `rows` staged rows, writing `out`."""
-        if self._weights is None:
-            self._weights = self.placeholder_weights()
+        if self._weights is None:  # a compile without real weights: zeros of the kernel's shapes and dtypes
+            self._weights = self.weights_layout.placeholder(self.experts_per_rank, self.hidden_size,
+                                                            self.intermediate_size, device=self.device)
         args = self.activation_args(b, rows)
         args.update(topk_idx=b.tensor(self.topk_idx[:rows]), topk_weights=b.tensor(self.topk_w[:rows]))
         args.update(self.weight_args(b, self._weights))
@@ -326,8 +321,8 @@ class MegaMoEFrontend(Composed, LayerGeometry):
         Outside a stream capture every call replays an internal CUDA graph (shim/common/graph_cache.py): in place
         over the caller's buffers when they come back, else over the workspace's inputs by token count. Without
         `out` the graph writes the workspace's output buffer and the call returns a copy of it: keyed by the
-        caller's inputs alone, since a fresh output's address is the allocator's choice (keying by it captured a
-        graph every other call on the H200). Inside a caller's capture (the caller graphs the whole model) the
+        caller's inputs alone, since a fresh output's address is the allocator's choice (keying by it would capture
+        a graph every other call). Inside a caller's capture (the caller graphs the whole model) the
         launch is eager.
         """
         if self.guard is not None and self.guard.tripped:

@@ -1,10 +1,11 @@
 """A layer's internal CUDA graphs: what lets an eager forward cost a replay instead of a CuTe launch.
 
-The CuTe executor costs ~200 us of host time per eager launch on the H200 host, a replay a few. A caller that
-passes the same buffers again (an engine's static buffers, or a loop whose tensors the allocator hands back at the
-same addresses) gets a graph that reads and writes them in place, the routing copies inside it: one replay is the
-whole call. Any other call copies its inputs into the workspace and replays the graph of its token count. The
-frontend's forward (shim/common/frontend.py) decides which; this class keeps the graphs and captures them.
+The CuTe executor costs hundreds of microseconds of host time per eager launch, a replay a few (docs/shim.md). A
+caller that passes the same buffers again (an engine's static buffers, or a loop whose tensors the allocator hands
+back at the same addresses) gets a graph that reads and writes them in place, the routing copies inside it: one
+replay is the whole call. Any other call copies its inputs into the workspace and replays the graph of its token
+count. The frontend's forward (shim/common/frontend.py) decides which; this class keeps the graphs and captures
+them.
 
 Capture rules (every MegaMoE launch is a cross-rank collective):
   * no warm-up launch before a capture: ranks meet a new token count or new buffers at different calls, so a
@@ -12,8 +13,8 @@ Capture rules (every MegaMoE launch is a cross-rank collective):
     at compile time; a capture records without running, and the caller's replay is the call's one launch;
   * buffers seen once are not captured: ones that never come back would each cost a capture (the call copies
     and replays by token count instead); the second sight captures;
-  * a capture is dear (torch's capture synchronizes the device and empties the allocator's cache first: on the
-    H200 one costs the queued device work plus hundreds of us), so captures are rationed: a graph captured and not
+  * a capture is dear (torch's capture synchronizes the device and empties the allocator's cache first: one costs
+    the queued device work plus hundreds of microseconds), so captures are rationed: a graph captured and not
     replayed by a later call is "unproven"; with `max_unproven` of them in the last `churn_window` slow-path calls,
     no new graph is captured (buffers go by token count, a token count launches eagerly: one launch either way)
     until one proves itself or ages out. Keys that churn thus cost at most max_unproven captures per window;

@@ -12,7 +12,7 @@ import os
 import tempfile
 from typing import Any, Dict, Optional
 
-from moe_ep.core.errors import KnobError
+from moe_ep.errors import KnobError
 
 __all__ = ["ENV_VAR", "cache_key", "KnobCache"]
 

@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from moe_ep.core.errors import KnobError
+from moe_ep.errors import KnobError
 
 __all__ = ["table_key", "TABLE_DIRS", "lookup", "load_tables", "device_name"]
 

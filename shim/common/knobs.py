@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields, replace
 from typing import Any, Callable, Dict, Optional, Tuple, Type, TypeVar
 
-from moe_ep.core.errors import KnobError
+from moe_ep.errors import KnobError
 
 __all__ = ["InvalidKnobsError", "KnobSet", "resolve_knob_set"]
 

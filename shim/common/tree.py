@@ -32,7 +32,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from moe_ep.core.errors import BackendUnavailableError
+from moe_ep.errors import BackendUnavailableError
 from shim.common import integrity as _integrity
 from shim.common.tree_facts import DROP_PACKAGES as _DROP_PACKAGES
 from shim.common.tree_facts import KERNEL_NAMES, TREES, TreeFacts

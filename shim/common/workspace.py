@@ -31,7 +31,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from moe_ep.core.dist import RankContext, run_agreed
-from moe_ep.core.errors import WorkspaceError
+from moe_ep.errors import WorkspaceError
 
 __all__ = ["BufferSpec", "WorkspacePool", "WorkspaceError", "Lease", "pool_for"]
 

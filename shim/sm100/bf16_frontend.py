@@ -1,4 +1,5 @@
-"""The Blackwell BF16 MegaMoE frontend (`moe_bf16_glu.Sm100MegaMoEBf16Kernel`).
+"""The Blackwell BF16 MegaMoE frontend (`moe_bf16_glu.Sm100MegaMoEBf16Kernel`), and its weight layout (bf16,
+K-major, FC1's rows interleaved by 32: shim/common/weights.py).
 
 Activations bf16 [C, H], no scales; the kernel stages one bf16 term per (token, slot) in its shared
 workspace and its own TopkReduce sums them into `output_activation` [T, H] (fp32, slot order, rounded once:
@@ -8,16 +9,40 @@ add into.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from moe_ep.formats import QuantizedActivation
+from moe_ep.formats import QuantizedActivation, QuantizedWeights
+from shim.common.weights import KernelWeights, kernel_tensors, read_experts, store_experts
 from shim.sm100.frontend import Sm100Frontend, tensor_workspaces
 
-__all__ = ["Sm100Bf16Frontend"]
+__all__ = ["Sm100Bf16Frontend", "Sm100Bf16Weights"]
+
+
+@dataclass
+class Sm100Bf16Weights(KernelWeights):
+    fmt = "bf16"
+    interleave = 32  # the kernel's GateUpInterleave, checked against the drop at kernel build
+    expert_offset: int
+    fc1: torch.Tensor  # (E, H, 2I) bf16, K-major, gate/up interleaved
+    fc2: torch.Tensor  # (E, I, H) bf16, K-major
+
+    @classmethod
+    def empty(cls, experts, hidden, intermediate, device, expert_offset):
+        return cls(expert_offset, *kernel_tensors(experts, hidden, intermediate, torch.bfloat16, device))
+
+    def store(self, rows, qw):
+        store_experts(self.fc1, self.fc2, rows, qw.w13_q, qw.w2_q, self.interleave)
+
+    def canonical(self) -> QuantizedWeights:
+        return QuantizedWeights(self.fmt, *read_experts(self.fc1, self.fc2, self.interleave),
+                                expert_offset=self.expert_offset)
 
 
 class Sm100Bf16Frontend(Sm100Frontend):
     fmt = "bf16"
+    weights_layout = Sm100Bf16Weights
 
     def kernel_class(self, knobs):
         return self.symbols().Sm100MegaMoEBf16Kernel
@@ -34,13 +59,13 @@ class Sm100Bf16Frontend(Sm100Frontend):
                     apply_topk_in_fc1=True, fc2_in_kernel_topk_reduce=knobs.fc2_in_kernel_topk_reduce)
 
     def input_buffers(self):
-        # The per-(token, slot) terms live in the kernel's shared workspace (0.7.4); only activations here.
+        # The per-(token, slot) terms live in the kernel's shared workspace; only activations here.
         return [("act", (self.max_tokens_per_rank, self.hidden_size), torch.bfloat16)]
 
     def activation_args(self, b, rows: int):
         return dict(activation=b.tensor(self.act[:rows]), fc1_c=None)
 
-    def weight_args(self, b, w):
+    def weight_args(self, b, w: Sm100Bf16Weights):
         return dict(fc1_weight=b.tensor(w.fc1), fc2_weight=b.tensor(w.fc2))
 
     def workspace_args(self, b):

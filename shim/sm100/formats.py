@@ -3,16 +3,15 @@
 Adding a format: a row here, its frontend module (shim/sm100/<format>_frontend.py) and the kernel symbols it uses
 (shim/sm100/kernel_symbols.py); docs/backends.md walks through it.
 
-Sources of the size rules (drop 0.7.4 unless noted):
+Sources of the size rules (the pinned drop; docs/backends.md keeps what was run where):
   * top_k <= 32 (KernelFormat.max_top_k): dispatch assigns `32 // num_topk` tokens per warp pass
     (src/token_comm.py); the BF16 kernel checks it explicitly, the others share the same dispatch code.
   * BF16: gate+up (2I) a multiple of 64 and H a multiple of 32 -- the BF16 kernel's own constructor checks (the
     fc1 store pairs 32 gate with 32 up columns; fc2 stores 32-wide hidden subtiles).
   * NVFP4 / MXFP8: H and I multiples of 64. Each format's block (16 / 32) and the 16-byte TMA row rule need
-    less; 64 is the bound FlashInfer's integration of this same drop validates (hidden = inter = 2880 measured
-    on GB200, drop 0.7.2.post1), and nothing weaker has been run on hardware, so it is the rule until a
-    Blackwell run says otherwise.
-  * MXFP8 from 0.7.4: H a multiple of 128. Every launch ends with the column re-quantization of the received
+    less; 64 is the bound FlashInfer's integration of these kernels validates on Blackwell hardware, and nothing
+    weaker has been run there, so it is the rule until a Blackwell run says otherwise.
+  * MXFP8: H a multiple of 128. Every launch ends with the column re-quantization of the received
     activations (moe_mxfp8_glu/mxfp8_col_requant.py), whose tile spans whole 128-column scale atoms; on sm_100
     it takes its portable path (4 columns a lane, 32 lanes), so H must be a multiple of lcm(128, 128) = 128,
     which its constructor enforces ("hidden=... is not supported").
@@ -40,6 +39,8 @@ BACKENDS = FormatTable("sm100", cute_targets=("sm_100", "sm_103"), rows=(
         hidden_multiple=128, intermediate_multiple=64,
         kernel_module="moe_mxfp8_glu.megamoe_kernel_mxfp8",
         kernel_classes=("Sm100MegaMoEMxfp8Kernel",),
+        # Sm100MegaMoEMxfp8Kernel.__init__ raises on an in-kernel reduce with a dispatch-warp token-back.
+        reduce_token_back="epi_warps",
         frontend="shim.sm100.mxfp8_frontend:Sm100Mxfp8Frontend",
         target="shim.sm100.backend:Sm100Mxfp8Backend",
     ),
@@ -49,6 +50,9 @@ BACKENDS = FormatTable("sm100", cute_targets=("sm_100", "sm_103"), rows=(
         hidden_multiple=32, intermediate_multiple=32,
         kernel_module="moe_bf16_glu.megamoe_kernel_bf16",
         kernel_classes=("Sm100MegaMoEBf16Kernel",),
+        # FlashInfer's validity table marks BF16 + in-kernel reduce + epilogue token-back unsupported; not run
+        # here either, so refused rather than guessed.
+        reduce_token_back="dispatch",
         frontend="shim.sm100.bf16_frontend:Sm100Bf16Frontend",
         target="shim.sm100.backend:Sm100Bf16Backend",
     ),

@@ -30,8 +30,8 @@ _LAZY = {
     "CombineFormat": ("src.token_comm", "CombineFormat"),
     # The NVFP4 kernel's epilogue: gate/up row interleave and token tile (class attributes).
     "SwapABSwigluFp4Epilogue": ("moe_nvfp4_swapab.epilogue_refactor", "SwapABSwigluFp4Epilogue"),
-    # Token tile the drop's BF16 runner pads each expert's pool rows to (its MXFP8 runner pads to 128
-    # since 0.7.4: SfPaddingBlock below).
+    # Token tile the drop's BF16 runner pads each expert's pool rows to (its MXFP8 runner pads to 128:
+    # SfPaddingBlock below).
     "EpilogueTokenTile": ("moe_nvfp4_swapab.epilogue", "EpilogueTokenTile"),
     # Constants. SfPaddingBlock: rows of one 128x4 scale atom.
     "SfPaddingBlock": ("common.megamoe_constants", "SfPaddingBlock"),
@@ -41,8 +41,7 @@ _LAZY = {
     "Fp8E4M3FNMax": ("common.megamoe_constants", "Fp8E4M3FNMax"),
     "get_cutedsl_target_arch": ("common.host_utils", "get_cutedsl_target_arch"),
     # Host helpers (torch only), used as independent cross-checks of the shim's own layout code.
-    # The MXFP8 quantizer with per-32 scales along each row (0.7.2.post1 also called it
-    # `mxfp8_quantize_per_block_32`; 0.7.4 keeps only this name and adds a `_col` variant).
+    # The MXFP8 quantizer with per-32 scales along each row.
     "mxfp8_quantize_per_block_32_row": ("common.host_utils", "mxfp8_quantize_per_block_32_row"),
     "to_blocked": ("moe_nvfp4_swapab.runner_common", "to_blocked"),
     "from_blocked": ("moe_nvfp4_swapab.runner_common", "from_blocked"),

@@ -132,16 +132,12 @@ class Sm100Knobs(KnobSet):
         if self.use_2cta_instrs and self.cluster_shape_mnk[0] % 2:
             raise InvalidKnobsError("cluster_shape_mnk", f"a 256-row MMA tile needs an even cluster M, got "
                                     f"{self.cluster_shape_mnk}")
-        if self.fc2_in_kernel_topk_reduce:
-            if fmt == "mxfp8" and self.token_back_by_dispatch:
-                # Sm100MegaMoEMxfp8Kernel.__init__ raises on this pair.
-                raise InvalidKnobsError("fc2_in_kernel_topk_reduce", "the MXFP8 kernel reduces in kernel only with "
-                                        "token_back_mode='epi_warps'")
-            if fmt == "bf16" and not self.token_back_by_dispatch:
-                # FlashInfer's validity table for drop 0.7.2.post1 marks BF16 + in-kernel reduce + epilogue
-                # token-back unsupported; not run here either, so refused rather than guessed.
-                raise InvalidKnobsError("fc2_in_kernel_topk_reduce", "the BF16 kernel reduces in kernel only with "
-                                        "a dispatch-warp token_back_mode")
+        needs = BACKENDS.row(fmt).reduce_token_back  # the row says which token-back modes the reduce runs with
+        if (self.fc2_in_kernel_topk_reduce and needs is not None
+                and self.token_back_by_dispatch != (needs == "dispatch")):
+            raise InvalidKnobsError("fc2_in_kernel_topk_reduce", f"the {fmt} kernel reduces in kernel only with "
+                                    + ("a dispatch-warp token_back_mode" if needs == "dispatch"
+                                       else "token_back_mode='epi_warps'"))
         return self
 
 

@@ -1,6 +1,5 @@
-"""The Hopper kernel backends moe_ep registers (by lazy string): one class per row of shim/sm90/formats.py
-(`sm90_fp8_cutedsl` -> Sm90Fp8Backend, `sm90_bf16_cutedsl` -> Sm90Bf16Backend, ...), each over its row's
-frontend."""
+"""The Hopper kernel backends moe_ep registers (by lazy string): one class per row of shim/sm90/formats.py, each
+over its row's frontend."""
 
 from __future__ import annotations
 
@@ -24,15 +23,27 @@ class Sm90Backend(KernelBackend):
 
         w = self.ctx.world_size
         cands = tune.candidate_knobs(self.fmt, self.spec, w,
-                                     build_check=tune.build_check(self.frontend_class(), self.spec, w,
-                                                                  kernel_format=self.format))
+                                     build_check=tune.build_check(self.frontend_class(), self.spec, w, row=self.row))
         winner, self.autotune_result = tune.autotune(self.make_frontend, weights, fmt=self.fmt, spec=self.spec,
                                                      cache_key=self.knob_cache_key, world_size=w, candidates=cands,
                                                      group=self.ctx.group, device=self.ctx.comm_device)
         return winner
 
 
-# Sm90Fp8Backend, Sm90Bf16Backend, ...: the names the table's `target` strings give.
-ROW_CLASSES = Sm90Backend.row_classes()
-globals().update(ROW_CLASSES)
-__all__ = ["Sm90Backend", "ROW_CLASSES", *ROW_CLASSES]
+class Sm90Fp8Backend(Sm90Backend, fmt="fp8_block"):
+    """sm90_fp8_cutedsl: Hopper FP8 MegaMoE, blockwise scales."""
+
+
+class Sm90Bf16Backend(Sm90Backend, fmt="bf16"):
+    """sm90_bf16_cutedsl: Hopper BF16 MegaMoE."""
+
+
+class Sm90Fp8TensorBackend(Sm90Backend, fmt="fp8_tensor"):
+    """sm90_fp8_tensor_cutedsl: Hopper FP8 MegaMoE, per-tensor static scales."""
+
+
+class Sm90W4A8Mxfp4Backend(Sm90Backend, fmt="w4a8_mxfp4"):
+    """sm90_w4a8_mxfp4_cutedsl: Hopper MXFP4 weights x FP8 activations MegaMoE."""
+
+
+__all__ = ["Sm90Backend", "Sm90Fp8Backend", "Sm90Bf16Backend", "Sm90Fp8TensorBackend", "Sm90W4A8Mxfp4Backend"]

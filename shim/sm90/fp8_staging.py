@@ -55,6 +55,7 @@ floor either way, and zero keeps its sign. No multiply feeds an add, so FMA cont
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -105,6 +106,33 @@ def unavailable_reason() -> Optional[str]:
 def available() -> bool:
     """Triton importable and a CUDA device present."""
     return unavailable_reason() is None
+
+
+def check_fused(frontend, name: str, *, seed: int, decades: Tuple[int, int]) -> str:
+    """"fused" when the fused kernel gives the format quantizer's bytes on this device, else "torch" (with a warning
+    saying why). `frontend` stages a probe batch with its `stage_fused(x)` into its own input buffers (so the dtypes
+    and strides the forwards stage into; the rows are restaged before the next launch reads them) and says with
+    `fused_matches(x)` whether they hold the quantizer's bytes; the probe rows span 10^decades[0] .. 10^decades[1].
+    Runs once compiled on a device, outside any graph capture."""
+    if not available():
+        return "torch"
+    gen = torch.Generator().manual_seed(seed)
+    t, h = min(64, frontend.max_tokens_per_rank), frontend.hidden_size
+    x = torch.randn(t, h, generator=gen) * torch.logspace(*decades, t).unsqueeze(1)
+    x = x.to(torch.bfloat16).to(frontend.device)
+    # stacklevel 4: the warning points at whoever called compile() (-> check_on_device -> here).
+    try:
+        frontend.stage_fused(x)
+        same = frontend.fused_matches(x)
+    except Exception as e:  # noqa: BLE001 - any failure of the optional kernel means the torch path
+        warnings.warn(f"fused {name} unavailable here ({type(e).__name__}: {e}); staging with torch ops",
+                      RuntimeWarning, stacklevel=4)
+        return "torch"
+    if not same:
+        warnings.warn(f"the fused {name} kernel's bytes differ from the format quantizer's on this device; staging "
+                      "with torch ops", RuntimeWarning, stacklevel=4)
+        return "torch"
+    return "fused"
 
 
 # --------------------------------------------------------------------------------------------------- checks

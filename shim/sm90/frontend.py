@@ -1,9 +1,10 @@
-"""What the Hopper frontends share: the tree's symbols, the constructor arguments every Hopper MegaMoE kernel takes,
-the Hopper launch arguments and weight layout (shim/sm90/weights.py).
+"""What the Hopper frontends share: the tree's symbols, the constructor arguments every Hopper MegaMoE kernel takes
+and the Hopper launch arguments.
 
-Every Hopper MegaMoE kernel (FP8, BF16) takes the same scheduling / token-comm constructor arguments; a format
-frontend (shim/sm90/<format>_frontend.py) names its kernel class (plain or swap-AB, by the swap_ab knob), adds its
-format's own constructor arguments, and says how activations are staged.
+Every Hopper MegaMoE kernel (FP8, BF16, W4A8) takes the same scheduling / token-comm constructor arguments; a format
+frontend (shim/sm90/<format>_frontend.py, one class per format directly on this one) names its kernel class (plain
+or swap-AB, by the swap_ab knob), adds its format's own constructor arguments, says how activations are staged and
+owns its weight layout (the helpers the layouts share: shim/sm90/weights.py).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from shim.common.frontend import MegaMoEFrontend
-from shim.sm90 import weights as sm90_weights
 from shim.sm90.formats import BACKENDS
 from shim.sm90.knobs import Sm90Knobs
+from shim.sm90.weights import GATE_UP_INTERLEAVE
 
 __all__ = ["Sm90Frontend", "H200_SM_COUNT"]
 
@@ -35,7 +36,7 @@ class Sm90Frontend(MegaMoEFrontend):
         import cutlass
 
         # Every argument named, those moe_ep does not expose at the values the kernels were validated with
-        # (drop 0.7.4's defaults), the exchange knobs at the knob set's value where it fixes one: a drop that
+        # (the pinned drop's defaults), the exchange knobs at the knob set's value where it fixes one: a drop that
         # changes a default then changes nothing here, and the drop audit calls a new parameter with a default a
         # break until this says which value it wants. The exchange knobs only some kernels take: format_kwargs.
         ex = knobs.exchange_kwargs()
@@ -62,16 +63,9 @@ class Sm90Frontend(MegaMoEFrontend):
         ks = self.symbols()
         for where, value in ((f"{type(kernel).__name__}.GateUpInterleave", getattr(kernel, "GateUpInterleave", None)),
                              ("common.megamoe_constants.Fp8GateUpInterleave", ks.Fp8GateUpInterleave)):
-            if value != sm90_weights.GATE_UP_INTERLEAVE:
+            if value != GATE_UP_INTERLEAVE:
                 raise RuntimeError(f"the drop's {where} is {value}; the weight packer interleaves gate/up rows in "
-                                   f"groups of {sm90_weights.GATE_UP_INTERLEAVE}")
-
-    def prepare_weights(self, weights):
-        return sm90_weights.prepare(self.fmt, weights, self.device)
-
-    def placeholder_weights(self):
-        return sm90_weights.placeholder_weights(self.fmt, self.experts_per_rank, self.hidden_size,
-                                                self.intermediate_size, device=self.device)
+                                   f"groups of {GATE_UP_INTERLEAVE}")
 
     def activation_args(self, b, rows: int):
         return dict(activation=b.tensor(self.act[:rows]), fc1_c=None)

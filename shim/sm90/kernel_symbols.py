@@ -24,15 +24,15 @@ from moe_hopper_fp8.heuristic_config import (  # noqa: E402
 # Lazy: name -> (module, attribute). Keep this a plain dict literal: the drop
 # audit parses it.
 _LAZY = {
-    # moe_hopper_bf16 arrived with drop 0.7.4; lazy so the FP8 path also loads an older tree (side-by-side
-    # drop benchmarks run the previous drop through this same shim).
+    # moe_hopper_bf16 is newer than the FP8 package; lazy so the FP8 path also loads a tree without it
+    # (side-by-side drop benchmarks run the previous drop through this same shim).
     "select_bf16_heuristic_config": ("moe_hopper_bf16.heuristic_config", "select_heuristic_config"),
     "Sm90MegaMoEFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoEFp8Kernel"),
     "Sm90MegaMoESwapABFp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABFp8Kernel"),
     "Sm90MegaMoEBf16Kernel": ("moe_hopper_bf16.megamoe_kernel_bf16", "Sm90MegaMoEBf16Kernel"),
     "Sm90MegaMoESwapABBf16Kernel": ("moe_hopper_bf16.megamoe_kernel_bf16", "Sm90MegaMoESwapABBf16Kernel"),
-    # W4A8 (MXFP4 weights x FP8 activations, swap-AB only) arrived with drop 0.7.4 too: the backend checks the
-    # tree has its module before anything resolves this row (shim/sm90/backend.py).
+    # W4A8 (MXFP4 weights x FP8 activations, swap-AB only) is newer too: the registry's probe checks the tree has
+    # its module before anything resolves this row (shim/common/formats.py missing_kernel).
     "Sm90MegaMoESwapABMxfp4Fp8Kernel": ("moe_hopper_fp8.megamoe_kernel_fp8", "Sm90MegaMoESwapABMxfp4Fp8Kernel"),
     "MXFP4_K_TILE": ("moe_hopper_fp8.mxfp4_cutedsl", "MXFP4_K_TILE"),
     "MXFP4_FOLD_M": ("moe_hopper_fp8.mxfp4_cutedsl", "MXFP4_FOLD_M"),

@@ -1,13 +1,12 @@
 """A knob default for the geometries no shipped table covers, derived from what the tables measured.
 
-The drop's heuristic picks a knob set by capacity alone. What the H200 tables show deciding is the number of rows
+The drop's heuristic picks a knob set by capacity alone. What the shipped tables show deciding is the number of rows
 each local expert's GEMMs get at full capacity under balanced routing, tokens per local expert
 tpe = C * K / E_local (the same at any world size: W ranks send C * K rows each over W * E_local experts). The
-winners of drop 0.7.4 sort by it: at tpe <= 8 swap-AB with 8- or 16-token tiles; at tpe 32 the plain order with
+shipped winners sort by it: at tpe <= 8 swap-AB with 8- or 16-token tiles; at tpe 32 the plain order with
 a 64 x 128 tile; from tpe 128 on the plain order with a 64 x 256 tile, mostly with a 2-CTA cluster. The same
 capacity at another expert count (48 local experts instead of 32) moves tpe, and with it the right knobs; the
-heuristic does not see it (at 48 local experts, H 7168, T = 128 on the H200: 819-870 us with the heuristic's
-knobs, 568 us after knobs="auto").
+heuristic does not see it (docs/tuning.md has the case that showed it).
 
 choose() takes the knob sets that won somewhere (the shipped entries of the same GPU, drop and format), and
 scores each by the nearest entry it won at plus how its token tile fits this geometry:
@@ -175,6 +174,6 @@ def for_backend(backend) -> Optional[Dict[str, Any]]:
                                 drop_sha256=provenance.get("carrier_sha256"))
     g = Geometry(backend.fmt, spec.hidden_size, spec.intermediate_size, spec.experts_per_rank(world), spec.top_k,
                  world, spec.max_tokens_per_rank)
-    check = build_check(backend.frontend_class(), spec, world, kernel_format=backend.format)
+    check = build_check(backend.frontend_class(), spec, world, row=backend.row)
     picked = choose(g, measured, accepts=lambda knobs: check(Sm90Knobs.from_json(knobs)))
     return None if picked is None else picked[0]

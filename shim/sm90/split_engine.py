@@ -10,7 +10,7 @@ reads the same inputs as on the bf16 wire, and gives the same outputs.
 
 The rows' tensors are new every call, so the frontend runs without its internal graphs (a replayed graph would read
 the addresses it was captured with): inside a caller's capture that changes nothing (the launch is captured); an
-eager call pays the CuTe executor's host time (~200 us on the H200 host), small beside a prefill-sized call.
+eager call pays the CuTe executor's host time, small beside a prefill-sized call.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class FusedFp8WireEngine(BackendEngine):
 
     @classmethod
     def check(cls, spec, fmt, device, options):
-        from moe_ep.core.errors import BackendUnavailableError, FormatError
+        from moe_ep.errors import BackendUnavailableError, FormatError
         from moe_ep.core.registry import detect_arch
 
         if fmt not in cls.formats:
@@ -79,7 +79,7 @@ class FusedFp8WireEngine(BackendEngine):
                                                     f"is {device}")
         problems = Sm90Fp8PrestagedBackend.check_spec(spec, fmt, 1)
         if problems:
-            from moe_ep.core.errors import SpecError
+            from moe_ep.errors import SpecError
 
             raise SpecError(problems[0][0], f"{problems[0][1]} (the split path's engine 'fused_fp8')")
 

@@ -1,6 +1,6 @@
 """Searching the Hopper kernels' knob space: the candidates, the build check, the timing, and knobs="auto".
 
-Staged, as the H200 sweeps of 2026-11-30 suggest (docs/tuning.md): the structural knobs decide most of the time
+Staged, as the sweeps in docs/tuning.md suggest: the structural knobs decide most of the time
 (operand order, tile, cluster shape, ping-pong: up to 2x between candidates at one capacity), the scheduling knobs
 refine the best few (group_hint, token-back mode, tail-split pairs, flag batching, load balancing: a few percent to
 20%), then the exchange knobs refine the best one (dispatch warps, the producer-warp layout, the FC1 store path,
@@ -36,14 +36,16 @@ __all__ = ["structural_candidates", "scheduling_candidates", "exchange_candidate
            "candidate_knobs", "build_check", "build_probe", "kernel_signature", "time_frontend", "synthetic_inputs",
            "autotune", "MEASURED_WINNERS"]
 
-# Structural winners measured on the H200 (DeepSeek-V3 geometry, FP8, world size 1, 2026-11-30 sweeps): ranked
-# first wherever their token tile fits, whatever the table says.
-# (swap_ab, mma_tiler_mnk, cluster_shape_mnk, pingpong)
-MEASURED_WINNERS = (
-    (False, (64, 128, 128), (1, 2, 1), True),   # T=128: 499 us against the heuristic's 818
-    (False, (64, 128, 128), (1, 1, 1), False),  # T=128: 507 us against 804
-    (False, (64, 256, 128), (2, 1, 1), False),  # T=512: 732-801 us against 879-929
-)
+# Structural winners of the format's sweeps (docs/tuning.md has where and what they ran at), by format: ranked
+# first wherever their token tile fits, whatever the table says, because the sweeps found them well ahead of the
+# drop's heuristic. (swap_ab, mma_tiler_mnk, cluster_shape_mnk, pingpong)
+MEASURED_WINNERS = {
+    "fp8_block": (
+        (False, (64, 128, 128), (1, 2, 1), True),
+        (False, (64, 128, 128), (1, 1, 1), False),
+        (False, (64, 256, 128), (2, 1, 1), False),
+    ),
+}
 # The knobs stage 2 varies; stage 1 keeps them at the heuristic's values.
 SCHEDULING = ("group_hint", "token_back_mode", "accum_mode", "tail_split_pairs", "flag_batch", "epi_flag_batch")
 _CLUSTERS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1))
@@ -97,7 +99,7 @@ def structural_candidates(fmt: str, spec: MoESpec, world_size: int = 1, limit: i
     b = ks.token_bucket(max(c, 1))
     first += [structural(heuristic_knobs(fmt, x, **geometry)) for x in ks.TOKEN_BUCKETS
               if b // 4 <= x <= b * 4 and x != b]
-    first += [structural(Sm90Knobs(*w, kernel=KERNEL_CLASS[fmt])) for w in MEASURED_WINNERS if fmt == "fp8_block"]
+    first += [structural(Sm90Knobs(*w, kernel=KERNEL_CLASS[fmt])) for w in MEASURED_WINNERS.get(fmt, ())]
     rest = sorted((structural(k) for k in _structural(fmt)), key=lambda k: (_fit(k, per_expert), repr(k)))
     ranked = _keep(first + rest, limit + 64, accepts)
     # Both operand orders stay in the race (their fit is not comparable across orders at the extremes).
@@ -242,12 +244,11 @@ def _keep(cands: Iterable[Sm90Knobs], limit: int, accepts, exclude=(), signature
     return out
 
 
-def build_check(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132,
-                kernel_format=None):
+def build_check(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132, row=None):
     """accepts(knobs) -> bool: whether the kernel's constructor takes this knob set for this geometry (no
-    buffers, no compile: the constructor is where the kernel states what it refuses). kernel_format: the table
-    row (default: the frontend class's own)."""
-    probe = build_probe(frontend_cls, spec, world_size, max_active_clusters, kernel_format)
+    buffers, no compile: the constructor is where the kernel states what it refuses). row: the table row
+    (default: the frontend class's own)."""
+    probe = build_probe(frontend_cls, spec, world_size, max_active_clusters, row)
     return lambda knobs: probe(knobs) is not None
 
 
@@ -265,13 +266,12 @@ def kernel_signature(knobs: Sm90Knobs, kernel) -> tuple:
             knobs.num_sched_stages or 2, None if mxfp4 is None else mxfp4.identity())
 
 
-def build_probe(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132,
-                kernel_format=None):
+def build_probe(frontend_cls, spec: MoESpec, world_size: int = 1, max_active_clusters: int = 132, row=None):
     """probe(knobs) -> kernel_signature of what the kernel's constructor builds for this knob set and geometry, or
     None when it refuses the set (no buffers, no compile)."""
 
     def probe(knobs: Sm90Knobs):
-        fe = frontend_cls.unbuilt(spec, RankContext.detached(0, world_size), knobs, kernel_format=kernel_format,
+        fe = frontend_cls.unbuilt(spec, RankContext.detached(0, world_size), knobs, row=row,
                                   max_active_clusters=max_active_clusters)
         try:
             return kernel_signature(knobs, fe.build_kernel(knobs))
@@ -300,8 +300,8 @@ def synthetic_inputs(spec: MoESpec, tokens: int, device, seed: int = 0):
 
 def time_frontend(fe, inputs, iters: int = 30, quick: int = 5, cutoff_us: float = math.inf) -> Tuple[List[float], bool]:
     """(per-replay microseconds, cut short?) of one forward captured in a CUDA graph and replayed: an eager
-    launch costs ~200 us of host time on the H200 host, more than the kernel at small T, and would make every
-    candidate look alike. After `quick` replays a candidate slower than `cutoff_us` stops there."""
+    launch's host time (docs/shim.md) is more than the kernel at small T, and would make every candidate look
+    alike. After `quick` replays a candidate slower than `cutoff_us` stops there."""
     x, idx, w, out = inputs
     dev = fe.device
     graph = capture_graph(lambda: fe.forward(x, idx, w, out), warmup=2, device=dev)

@@ -1,12 +1,11 @@
-"""The Hopper W4A8 MXFP4 MegaMoE frontend: `moe_hopper_fp8.Sm90MegaMoESwapABMxfp4Fp8Kernel` (drop 0.7.4+), MXFP4
-weights x FP8 activations, `fp8_scale_mode="mxfp4_hybrid"`, swap-AB only.
+"""The Hopper W4A8 MXFP4 MegaMoE frontend: `moe_hopper_fp8.Sm90MegaMoESwapABMxfp4Fp8Kernel`, MXFP4 weights x FP8
+activations, `fp8_scale_mode="mxfp4_hybrid"`, swap-AB only; its weight layout is shim/sm90/w4a8_weights.py.
 
 Per forward, bf16 activations are quantized per token (one fp32 scale over the whole row, replicated into the
 kernel's [T, 4] scale row so dispatch and TMA move 16 aligned bytes) by one fused Triton launch where Triton
 runs (shim/sm90/fp8_staging.py, byte for byte the format quantizer; checked at compile time on this device,
-torch ops with a warning otherwise: a dozen small kernels, tens of microseconds at decode sizes); the kernel
-pulls them, widens the packed
-e2m1 weights to e4m3 in registers (shim/sm90/fp4_layout.py says how the bytes must lie), accumulates FC1 over
+torch ops with a warning otherwise: a dozen small kernels); the kernel pulls them, widens the packed e2m1 weights
+to e4m3 in registers (shim/sm90/fp4_layout.py says how the bytes must lie), accumulates FC1 over
 the full K and multiplies by the token's scale, applies each expert's residual, runs SwiGLU (routing weight
 folded in), requantizes the FC2 input per 64 with scales it computes itself, and combines with the separate
 top-k reduce (the W4A8 kernel has no in-kernel reduce).
@@ -17,34 +16,33 @@ from __future__ import annotations
 import torch
 
 from moe_ep.formats import QuantizedActivation, codecs
-from shim.sm90 import fp4_layout, fp8_staging, w4a8_weights
-from shim.sm90.fp8_frontend import Sm90StagedFp8Frontend
+from shim.sm90 import fp4_layout, fp8_staging
+from shim.sm90.fp8_frontend import fp8_kernel_kwargs
+from shim.sm90.frontend import Sm90Frontend
 from shim.sm90.knobs import Sm90Knobs
+from shim.sm90.w4a8_weights import Sm90W4A8Weights
 
 __all__ = ["Sm90W4A8Frontend"]
 
 SCALE_ROW = 4  # fp32 words per token in the activation scale row (megamoe_kernel_fp8.py sf_uint32_per_token)
 
 
-class Sm90W4A8Frontend(Sm90StagedFp8Frontend):
+class Sm90W4A8Frontend(Sm90Frontend):
     fmt = "w4a8_mxfp4"
-    staging_name = "per-token FP8 staging"
-    probe_seed = 11
-    probe_decades = (-6, 4)
+    weights_layout = Sm90W4A8Weights
+    staging = "torch"  # "fused" once compile() has checked the fused kernel on this device
 
     def kernel_class(self, knobs: Sm90Knobs):
         # Swap-AB only: the knob space pins swap_ab (a tree without the module is refused by the registry's probe,
         # before anything gets here).
         return self.symbols().Sm90MegaMoESwapABMxfp4Fp8Kernel
 
-    def accum_mode(self, knobs: Sm90Knobs) -> str:
-        return "1xacc"
-
     def format_kwargs(self, knobs: Sm90Knobs):
-        # The MXFP4 constructor's own arguments at the values it defaults to (the compact pull buffer off: it sets
-        # that default itself for its dispatch storage), the exchange knobs at the set's value where it fixes one.
+        # The FP8 kernel's arguments, then the MXFP4 constructor's own at the values it defaults to (the compact pull
+        # buffer off: it sets that default itself for its dispatch storage), the exchange knobs at the set's value
+        # where it fixes one.
         ex = knobs.exchange_kwargs()
-        return dict(super().format_kwargs(knobs), compact_pull_buffer=ex.get("compact_pull_buffer", False),
+        return dict(fp8_kernel_kwargs(self, knobs, "1xacc"), compact_pull_buffer=ex.get("compact_pull_buffer", False),
                     mxfp4_fc2_tail_n8=ex.get("mxfp4_fc2_tail_n8", False), mxfp4_fc1_ready_mode="tile")
 
     def check_kernel(self, kernel) -> None:
@@ -62,6 +60,10 @@ class Sm90W4A8Frontend(Sm90StagedFp8Frontend):
         c, h = self.max_tokens_per_rank, self.hidden_size
         return [("act", (c, h), torch.float8_e4m3fn), ("act_sf", (c, SCALE_ROW), torch.float32)]
 
+    def check_on_device(self) -> None:
+        if self.staging != "fused":
+            self.staging = fp8_staging.check_fused(self, "per-token FP8 staging", seed=11, decades=(-6, 4))
+
     def stage_activations(self, x: torch.Tensor) -> None:
         # The bytes of moe_ep's format quantizer either way: the oracle re-derives them from the same bf16 input.
         if self.staging == "fused":
@@ -78,14 +80,10 @@ class Sm90W4A8Frontend(Sm90StagedFp8Frontend):
         return torch.equal(self.act[:t].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(
             self.act_sf[:t].view(torch.int32), rs.expand(t, SCALE_ROW).contiguous().view(torch.int32))
 
-    def prepare_weights(self, weights):
-        return w4a8_weights.prepare(weights, self.device)
+    def activation_args(self, b, rows: int):
+        return dict(super().activation_args(b, rows), activation_sf=b.tensor(self.act_sf[:rows]))
 
-    def placeholder_weights(self):
-        return w4a8_weights.placeholder_weights(self.experts_per_rank, self.hidden_size, self.intermediate_size,
-                                                device=self.device)
-
-    def weight_args(self, b, w: w4a8_weights.Sm90W4A8KernelWeights):
+    def weight_args(self, b, w: Sm90W4A8Weights):
         return dict(
             fc1_weight=b.tensor(w.fc1), fc1_weight_sf=b.tensor(w.fc1_sf),
             fc1_activation_dequant_scale=b.tensor(w.one, 4), fc1_weight_dequant_scale=b.tensor(w.fc1_residual, 4),

@@ -125,15 +125,27 @@ def test_every_path_a_page_names_exists(page):
 def test_the_scan_finds_what_it_should(tmp_path):
     """The rules on a page of their own: a gone file is reported, placeholders and anchors are not."""
     page = tmp_path / "page.md"
-    page.write_text("See `moe_ep/core/layer.py:12`, `shim/<arch>/formats.py`, `shim/sm90/{fp8,bf16}_frontend.py`,\n"
+    page.write_text("See `moe_ep/layer.py:12`, `shim/<arch>/formats.py`, `shim/sm90/{fp8,bf16}_frontend.py`,\n"
                     "`tools/diag/no_such_tool.py` and `python -m tools.main`, [the shim](docs/shim.md#shape).\n"
                     "`docs/drop/audit-sm90-OLD-to-NEW.md` but not `docs/drop/audit-sm90-OLD-from-NEW.md`\n"
                     "```\nshim/sm100/tables/    a folder that is not there\n```\n")
     found = [(p, _exists(p, page.parent)) for _, p, _ in _mentions(page)]
-    assert found == [("moe_ep/core/layer.py", True), ("shim/<arch>/formats.py", True),
+    assert found == [("moe_ep/layer.py", True), ("shim/<arch>/formats.py", True),
                      ("shim/sm90/{fp8,bf16}_frontend.py", True), ("docs/shim.md", True),
                      ("tools/diag/no_such_tool.py", False), ("docs/drop/audit-sm90-OLD-to-NEW.md", True),
                      ("docs/drop/audit-sm90-OLD-from-NEW.md", False), ("shim/sm100/tables/", False)]
+
+
+def test_the_index_names_every_page():
+    """docs/README.md is the index: every page under docs/ (the generated ones under docs/drop/ as their folder) is
+    linked from it, so a new page cannot be left where nobody finds it."""
+    index = ROOT / "docs" / "README.md"
+    linked = {(index.parent / target.split("#", 1)[0]).resolve()
+              for target in _LINK.findall(index.read_text(encoding="utf-8")) if not target.startswith("http")}
+    pages = [p for p in sorted((ROOT / "docs").glob("*.md")) if p != index]
+    missing = [p.relative_to(ROOT).as_posix() for p in pages if p.resolve() not in linked]
+    assert not missing, f"pages docs/README.md does not link: {missing}"
+    assert (ROOT / "docs" / "drop").resolve() in linked, "docs/README.md does not link the generated pages (drop/)"
 
 
 if __name__ == "__main__":

@@ -56,10 +56,10 @@ def test_every_kernel_backend_is_refused_on_the_cpu_the_reference_is_not():
 def test_a_cuda_device_on_a_host_without_one_is_a_typed_error():
     spec, w = _layer_inputs()
     with one_rank_gloo_group():
-        with pytest.raises(moe_ep.DeviceUnavailableError) as info:
+        with pytest.raises(moe_ep.errors.DeviceUnavailableError) as info:
             RankContext.from_group(None, "cuda")
         assert info.value.argument == "device" and "no CUDA device" in str(info.value)
-        with pytest.raises(moe_ep.DeviceUnavailableError):
+        with pytest.raises(moe_ep.errors.DeviceUnavailableError):
             moe_ep.MoELayer(spec, w, device="cuda:1")
 
 
@@ -76,18 +76,18 @@ def test_require_arch_names_the_gpu_it_found(monkeypatch):
 def test_require_device_counts_the_hosts_gpus(monkeypatch):
     _fake_gpus(monkeypatch, (9, 0), (9, 0))
     assert devmod.require_device("cuda:1") == torch.device("cuda", 1)
-    with pytest.raises(moe_ep.DeviceUnavailableError) as info:
+    with pytest.raises(moe_ep.errors.DeviceUnavailableError) as info:
         devmod.require_device("cuda:2", "LOCAL_RANK")
     assert info.value.argument == "LOCAL_RANK"
     assert "cuda:2 was asked for" in str(info.value) and "2 CUDA device(s)" in str(info.value)
-    with pytest.raises(moe_ep.DeviceUnavailableError, match="'cpu' or 'cuda"):
+    with pytest.raises(moe_ep.errors.DeviceUnavailableError, match="'cpu' or 'cuda"):
         devmod.require_device("mps")
-    with pytest.raises(moe_ep.DeviceUnavailableError, match="expected 'cpu'"):
+    with pytest.raises(moe_ep.errors.DeviceUnavailableError, match="expected 'cpu'"):
         devmod.require_device("no such device")
 
 
 def test_the_errors_are_moe_errors_a_caller_can_also_catch_as_runtime_errors():
-    for cls in (moe_ep.DeviceUnavailableError, moe_ep.BackendUnavailableError):
+    for cls in (moe_ep.errors.DeviceUnavailableError, moe_ep.BackendUnavailableError):
         assert issubclass(cls, moe_ep.MoEError) and issubclass(cls, RuntimeError)
 
 

@@ -65,7 +65,7 @@ def test_bad_replica_tables_are_typed_errors(table, count, why):
     if why is None:
         assert moe_ep.ExpertMap.from_replicas(table, count, num_slots=3).num_slots == 3
         return
-    with pytest.raises(moe_ep.ExpertMapError) as e:
+    with pytest.raises(moe_ep.errors.ExpertMapError) as e:
         moe_ep.ExpertMap.from_replicas(table, count, num_slots=3)
     assert why in str(e.value)
 
@@ -74,9 +74,9 @@ def test_reassign_moves_slots_and_refuses_to_orphan_an_expert():
     m = moe_ep.ExpertMap.round_robin(4, 6)  # slots 4, 5 replicate experts 0, 1
     n = m.reassign({5: 3})
     assert n.slots_of(1) == [1] and n.slots_of(3) == [3, 5] and m.changed_slots(n) == [5]
-    with pytest.raises(moe_ep.ExpertMapError, match="without a slot"):
+    with pytest.raises(moe_ep.errors.ExpertMapError, match="without a slot"):
         m.reassign({2: 0})
-    with pytest.raises(moe_ep.ExpertMapError, match="outside"):
+    with pytest.raises(moe_ep.errors.ExpertMapError, match="outside"):
         m.reassign({6: 0})
     assert m.slots_of(1) == [1, 5]  # values: nothing changed in place
 
@@ -173,9 +173,9 @@ def test_a_layer_without_a_map_counts_on_request_and_takes_weight_updates(group)
     with moe_ep.MoELayer(spec, moe_ep.ExpertWeights(w13, w2, 0, 1, E), fmt="fp8_block") as plain:
         assert plain.expert_map is None and plain.num_slots == E
         plain(x, idx, w)
-        with pytest.raises(moe_ep.LoadCountsError):
+        with pytest.raises(moe_ep.errors.LoadCountsError):
             plain.load_counts()
-        with pytest.raises(moe_ep.ExpertMapError, match="without an expert map"):
+        with pytest.raises(moe_ep.errors.ExpertMapError, match="without an expert map"):
             plain.rearrange(moe_ep.ExpertMap.identity(E))
         # a weight update of expert 2 (an RL step): written in place, the oracle agrees with the new weights
         n13, n2 = _weights(seed=5, e=1)

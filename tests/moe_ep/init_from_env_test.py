@@ -182,7 +182,7 @@ def test_without_local_rank_the_rank_picks_the_gpu_where_the_host_has_it(gpu_hos
 
 def test_a_rank_past_the_hosts_gpus_without_local_rank_is_a_typed_error(gpu_host):
     asked = gpu_host(2, RANK="3", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
-    with pytest.raises(moe_ep.DeviceUnavailableError) as info:
+    with pytest.raises(moe_ep.errors.DeviceUnavailableError) as info:
         moe_ep.init_from_env()
     assert info.value.argument == "LOCAL_RANK"
     assert "RANK=3" in str(info.value) and "2 CUDA device(s)" in str(info.value), str(info.value)
@@ -191,7 +191,7 @@ def test_a_rank_past_the_hosts_gpus_without_local_rank_is_a_typed_error(gpu_host
 
 def test_a_local_rank_past_the_hosts_gpus_is_a_typed_error(gpu_host):
     asked = gpu_host(2, LOCAL_RANK="2")
-    with pytest.raises(moe_ep.DeviceUnavailableError) as info:
+    with pytest.raises(moe_ep.errors.DeviceUnavailableError) as info:
         moe_ep.init_from_env()
     assert info.value.argument == "LOCAL_RANK"
     assert "cuda:2" in str(info.value) and "2 CUDA device(s)" in str(info.value), str(info.value)
@@ -200,7 +200,7 @@ def test_a_local_rank_past_the_hosts_gpus_is_a_typed_error(gpu_host):
 
 def test_cuda_asked_on_a_host_without_one_is_a_typed_error(gpu_host):
     asked = gpu_host(0, MOE_EP_DEVICE="cuda")
-    with pytest.raises(moe_ep.DeviceUnavailableError) as info:
+    with pytest.raises(moe_ep.errors.DeviceUnavailableError) as info:
         moe_ep.init_from_env()
     assert info.value.argument == "MOE_EP_DEVICE" and "no CUDA device" in str(info.value), str(info.value)
     assert asked == {}

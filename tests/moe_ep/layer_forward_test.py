@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moe_ep
-from moe_ep.core import layer as layer_mod
+from moe_ep import layer as layer_mod
 from moe_ep.reference.oracle import compare, oracle_forward
 from tests.support.dist import group_fixture, one_rank_weights  # noqa: F401 (the `group` fixture)
 
@@ -43,7 +43,7 @@ def test_schedules_from_arguments_and_environment(group, monkeypatch):
         assert (lay.check_values, lay.collective_checks) == (None, None)  # the default schedule
         lay.check_values = False
         assert lay.check_values is False
-        with pytest.raises(moe_ep.CheckConfigError) as e:
+        with pytest.raises(moe_ep.errors.CheckConfigError) as e:
             lay.collective_checks = "sometimes"
         assert e.value.argument == "collective_checks"
     monkeypatch.setenv("MOE_EP_CHECKS", "all")  # the debug switch wins over explicit False
@@ -53,7 +53,7 @@ def test_schedules_from_arguments_and_environment(group, monkeypatch):
     with _layer(check_values=True) as lay:
         assert (lay.check_values, lay.collective_checks) == (True, False)
     monkeypatch.setenv("MOE_EP_CHECKS", "loud")
-    with pytest.raises(moe_ep.CheckConfigError) as e:
+    with pytest.raises(moe_ep.errors.CheckConfigError) as e:
         _layer()
     assert e.value.argument == "MOE_EP_CHECKS" and "'all'" in str(e.value)
 
@@ -84,10 +84,10 @@ def test_value_checks_run_on_the_first_call_of_each_shape_on_a_gpu(group, monkey
         monkeypatch.setattr(layer_mod, "_capturing", lambda: False)
         bad = idx.clone()
         bad[0, 0] = E
-        with pytest.raises(moe_ep.ExpertIndexError):
+        with pytest.raises(moe_ep.errors.ExpertIndexError):
             lay(x[:3], bad[:3], w[:3])  # a new shape: checked
         lay.check_values = True
-        with pytest.raises(moe_ep.ExpertIndexError):
+        with pytest.raises(moe_ep.errors.ExpertIndexError):
             lay(x, bad, w)  # every call
         lay.check_values = False
         seen.clear()
@@ -128,7 +128,7 @@ def test_output_dtype_on_request(group):
         assert lay(x.bfloat16(), idx, w, out=out) is out and torch.equal(out, ref.float())
     with _layer(out_dtype=torch.float16) as lay:
         assert lay(*_inputs(3)).dtype == torch.float16
-    with pytest.raises(moe_ep.DTypeError) as e:
+    with pytest.raises(moe_ep.errors.DTypeError) as e:
         _layer(out_dtype=torch.int8)
     assert e.value.argument == "out_dtype"
 

@@ -106,25 +106,25 @@ def _bad(kind):
 
 
 CASES = [
-    ("hidden_dtype", moe_ep.DTypeError, "hidden", "torch.bfloat16 / torch.float16 / torch.float32"),
-    ("hidden_not_tensor", moe_ep.DTypeError, "hidden", "torch.Tensor"),
-    ("idx_dtype", moe_ep.DTypeError, "topk_idx", "torch.int64"),
-    ("weights_dtype", moe_ep.DTypeError, "topk_weights", "torch.float32 / torch.bfloat16"),
-    ("hidden_shape", moe_ep.ShapeError, "hidden", f"[T, {H}]"),
-    ("hidden_rank3", moe_ep.ShapeError, "hidden", f"[T, {H}]"),
-    ("idx_rows", moe_ep.ShapeError, "topk_idx", "[5, 2]"),
-    ("topk_cols", moe_ep.TopKMismatchError, "topk_idx", "top_k=2"),
-    ("topk_weights_shape", moe_ep.TopKMismatchError, "topk_weights", "shape of topk_idx"),
-    ("hidden_device", moe_ep.DeviceError, "hidden", "cpu"),
-    ("idx_device", moe_ep.DeviceError, "topk_idx", "cpu"),
-    ("hidden_noncontig", moe_ep.NonContiguousError, "hidden", "contiguous"),
-    ("idx_noncontig", moe_ep.NonContiguousError, "topk_idx", "contiguous"),
-    ("negative_id", moe_ep.ExpertIndexError, "topk_idx", ">= -1"),
-    ("id_too_large", moe_ep.ExpertIndexError, "topk_idx", f"< num_experts={E}"),
+    ("hidden_dtype", moe_ep.errors.DTypeError, "hidden", "torch.bfloat16 / torch.float16 / torch.float32"),
+    ("hidden_not_tensor", moe_ep.errors.DTypeError, "hidden", "torch.Tensor"),
+    ("idx_dtype", moe_ep.errors.DTypeError, "topk_idx", "torch.int64"),
+    ("weights_dtype", moe_ep.errors.DTypeError, "topk_weights", "torch.float32 / torch.bfloat16"),
+    ("hidden_shape", moe_ep.errors.ShapeError, "hidden", f"[T, {H}]"),
+    ("hidden_rank3", moe_ep.errors.ShapeError, "hidden", f"[T, {H}]"),
+    ("idx_rows", moe_ep.errors.ShapeError, "topk_idx", "[5, 2]"),
+    ("topk_cols", moe_ep.errors.TopKMismatchError, "topk_idx", "top_k=2"),
+    ("topk_weights_shape", moe_ep.errors.TopKMismatchError, "topk_weights", "shape of topk_idx"),
+    ("hidden_device", moe_ep.errors.DeviceError, "hidden", "cpu"),
+    ("idx_device", moe_ep.errors.DeviceError, "topk_idx", "cpu"),
+    ("hidden_noncontig", moe_ep.errors.NonContiguousError, "hidden", "contiguous"),
+    ("idx_noncontig", moe_ep.errors.NonContiguousError, "topk_idx", "contiguous"),
+    ("negative_id", moe_ep.errors.ExpertIndexError, "topk_idx", ">= -1"),
+    ("id_too_large", moe_ep.errors.ExpertIndexError, "topk_idx", f"< num_experts={E}"),
     ("over_capacity", moe_ep.CapacityError, "hidden", f"max_tokens_per_rank={C}"),
-    ("out_dtype", moe_ep.DTypeError, "out", "torch.bfloat16 / torch.float16 / torch.float32"),
-    ("out_shape", moe_ep.ShapeError, "out", f"[5, {H}]"),
-    ("out_noncontig", moe_ep.NonContiguousError, "out", "contiguous"),
+    ("out_dtype", moe_ep.errors.DTypeError, "out", "torch.bfloat16 / torch.float16 / torch.float32"),
+    ("out_shape", moe_ep.errors.ShapeError, "out", f"[5, {H}]"),
+    ("out_noncontig", moe_ep.errors.NonContiguousError, "out", "contiguous"),
 ]
 
 
@@ -154,7 +154,7 @@ def test_bad_forward_input(layer, kind, err, argument, expected):
     assert e.value.argument == argument
     assert f"argument '{argument}'" in str(e.value) and expected in str(e.value)
     assert isinstance(e.value, ValueError)
-    if err is moe_ep.DTypeError:
+    if err is moe_ep.errors.DTypeError:
         assert isinstance(e.value, TypeError)
     # the layer is still usable after a rejected call
     assert layer(*_inputs()).shape == (5, H)
@@ -200,17 +200,18 @@ def test_one_expression_check_agrees_with_the_stepwise_checks(layer, kind):
 def test_a_closed_layer_is_a_typed_error(group):
     lay = moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, K, C), _weights())
     lay.close()
-    with pytest.raises(moe_ep.LayerClosedError, match="closed"):
+    with pytest.raises(moe_ep.errors.LayerClosedError, match="closed"):
         lay(*_inputs())
 
 
 @pytest.mark.parametrize("make, err, argument", [
     (lambda: (moe_ep.MoESpec(H, I, E, K, C), _weights(rank=1, world_size=2, w13=_weights().w13[2:],
-                                                      w2=_weights().w2[2:])), moe_ep.WeightsRankError, "weights"),
-    (lambda: (moe_ep.MoESpec(H, I, 8, K, C), _weights()), moe_ep.WeightsRankError, "weights"),
-    (lambda: (moe_ep.MoESpec(H, 64, E, K, C), _weights()), moe_ep.ShapeError, "weights.w13"),
-    (lambda: (moe_ep.MoESpec(H, I, E, K, C), "weights"), moe_ep.DTypeError, "weights"),
-    (lambda: ("spec", _weights()), moe_ep.DTypeError, "spec"),
+                                                      w2=_weights().w2[2:])),
+     moe_ep.errors.WeightsRankError, "weights"),
+    (lambda: (moe_ep.MoESpec(H, I, 8, K, C), _weights()), moe_ep.errors.WeightsRankError, "weights"),
+    (lambda: (moe_ep.MoESpec(H, 64, E, K, C), _weights()), moe_ep.errors.ShapeError, "weights.w13"),
+    (lambda: (moe_ep.MoESpec(H, I, E, K, C), "weights"), moe_ep.errors.DTypeError, "weights"),
+    (lambda: ("spec", _weights()), moe_ep.errors.DTypeError, "spec"),
 ], ids=["wrong_world", "wrong_num_experts", "wrong_shape", "not_weights", "not_spec"])
 def test_bad_layer_arguments(group, make, err, argument):
     spec, weights = make()
@@ -229,10 +230,10 @@ def _left():
 def test_a_refused_layer_leaves_nothing_behind(group, monkeypatch):
     spec = moe_ep.MoESpec(H, I, E, K, C)
     before = _left()
-    with pytest.raises(moe_ep.UnknownArgumentError) as e:
+    with pytest.raises(moe_ep.errors.UnknownArgumentError) as e:
         moe_ep.MoELayer(spec, _weights(), bogus=1)
     assert e.value.argument == "bogus" and isinstance(e.value, TypeError) and "apply_topk_in_fc1" in str(e.value)
-    with pytest.raises(moe_ep.DeviceUnavailableError) as e:
+    with pytest.raises(moe_ep.errors.DeviceUnavailableError) as e:
         moe_ep.MoELayer(spec, _weights(), device="cpu:1")
     assert e.value.argument == "device"
     # A backend that fails while laying out its weights (after the agreement) is closed, and so is everything else.
@@ -240,9 +241,9 @@ def test_a_refused_layer_leaves_nothing_behind(group, monkeypatch):
 
     closed = []
     monkeypatch.setattr(TorchReferenceBackend, "prepare_weights", lambda self, w: (_ for _ in ()).throw(
-        moe_ep.WorkspaceError("max_tokens_per_rank", "no room")))
+        moe_ep.errors.WorkspaceError("max_tokens_per_rank", "no room")))
     monkeypatch.setattr(TorchReferenceBackend, "close", lambda self: closed.append(self))
-    with pytest.raises(moe_ep.WorkspaceError):
+    with pytest.raises(moe_ep.errors.WorkspaceError):
         moe_ep.MoELayer(spec, _weights(), timeout_s=30)
     assert len(closed) == 1 and _left() == before
 
@@ -255,7 +256,7 @@ def test_cpu_0_is_the_cpu(group):
 
 def test_backend_and_format_selection_errors(group):
     spec = moe_ep.MoESpec(H, I, E, K, C)
-    with pytest.raises(moe_ep.BackendNotFoundError) as e:
+    with pytest.raises(moe_ep.errors.BackendNotFoundError) as e:
         moe_ep.MoELayer(spec, _weights(), backend="no_such_backend")
     assert "torch_reference" in str(e.value)
     with pytest.raises(moe_ep.FormatError) as e:
@@ -282,10 +283,10 @@ def test_backend_and_format_selection_errors(group):
         weight_formats = ("bf16",)
 
     moe_ep.register_backend("t_only_bf16", OnlyBf16, arch="cpu", formats=("bf16", "mxfp8"), replace=True)
-    try:
-        with pytest.raises(moe_ep.FormatError) as e:
-            moe_ep.MoELayer(spec, _weights(), backend="t_only_bf16", fmt="mxfp8")
-        assert "OnlyBf16" in str(e.value)
+    try:  # registered for a format its class does not serve: a registration error, whatever format is asked for
+        with pytest.raises(moe_ep.errors.RegistrationError) as e:
+            moe_ep.MoELayer(spec, _weights(), backend="t_only_bf16", fmt="bf16")
+        assert "OnlyBf16" in str(e.value) and "mxfp8" in str(e.value)
     finally:
         moe_ep.unregister_backend("t_only_bf16")
     odd = moe_ep.MoESpec(96, I, E, K, C)

@@ -59,7 +59,7 @@ def test_load_state_dict_reproduces_the_other_modules_outputs(group, fmt):
         assert result.missing_keys == ["router.weight"] or not result.missing_keys
         assert b.layer is not before and b.layer.fmt == fmt
         assert torch.equal(b(x, idx, w).view(torch.int16), want.view(torch.int16))
-        with pytest.raises(moe_ep.LayerClosedError):
+        with pytest.raises(moe_ep.errors.LayerClosedError):
             before(x, idx, w)  # the old layer is gone, its workspace share released
 
 
@@ -69,13 +69,13 @@ def test_bad_states_are_typed_errors_and_a_partial_one_is_never_loaded(group):
         x, idx, w = _inputs()
         want = m(x, idx, w)
         sd = m.state_dict()
-        with pytest.raises(moe_ep.WeightsRankError) as e:
+        with pytest.raises(moe_ep.errors.WeightsRankError) as e:
             m.load_state_dict(dict(sd, expert_offset=torch.tensor(2)))
         assert e.value.argument == "expert_offset"
-        with pytest.raises(moe_ep.DTypeError) as e:
+        with pytest.raises(moe_ep.errors.DTypeError) as e:
             m.load_state_dict(dict(sd, w13_q=sd["w13_q"].float()))
         assert e.value.argument == "w13_q"
-        with pytest.raises(moe_ep.ShapeError) as e:
+        with pytest.raises(moe_ep.errors.ShapeError) as e:
             m.load_state_dict(dict(sd, w2_q=sd["w2_q"][:2]))
         assert e.value.argument == "w2_q"
         partial = {k: v for k, v in sd.items() if k != "w2_q"}
@@ -150,8 +150,8 @@ def test_a_dtype_conversion_leaves_the_format_and_the_outputs(group, convert):
 
 
 @pytest.mark.parametrize("move, err", [
-    (lambda m: m.to(torch.float64), moe_ep.DTypeError), (lambda m: m.double(), moe_ep.DTypeError),
-    (lambda m: m.to("meta"), moe_ep.DeviceError),
+    (lambda m: m.to(torch.float64), moe_ep.errors.DTypeError), (lambda m: m.double(), moe_ep.errors.DTypeError),
+    (lambda m: m.to("meta"), moe_ep.errors.DeviceError),
 ], ids=["to_fp64", "double", "to_meta"])
 def test_a_move_or_a_dtype_it_cannot_take_is_refused_before_any_parameter_changes(group, move, err):
     with moe_ep.MoEModule(moe_ep.MoESpec(H, I, E, K, C), _weights(0), fmt="fp8_block") as m:
@@ -173,7 +173,7 @@ def test_copies_and_pickles_are_typed_errors(group):
 
     with moe_ep.MoEModule(moe_ep.MoESpec(H, I, E, K, C), _weights(0)) as m:
         for attempt in (lambda: copy.deepcopy(Block(m)), lambda: pickle.dumps(m), lambda: copy.copy(m)):
-            with pytest.raises(moe_ep.IntegrationError, match="cannot be"):
+            with pytest.raises(moe_ep.errors.IntegrationError, match="cannot be"):
                 attempt()
         assert m(*_inputs()).shape == (6, H)
 
@@ -182,9 +182,9 @@ def test_a_forward_that_needs_a_gradient_is_refused_and_no_grad_is_not(group):
     with moe_ep.MoEModule(moe_ep.MoESpec(H, I, E, K, C), _weights(0)) as m:
         assert not list(m.parameters())  # its weights are in the backend's layout: nothing for an optimizer
         x, idx, w = _inputs()
-        with pytest.raises(moe_ep.IntegrationError, match="needs a gradient"):
+        with pytest.raises(moe_ep.errors.IntegrationError, match="needs a gradient"):
             m(x.requires_grad_(), idx, w)
-        with pytest.raises(moe_ep.IntegrationError, match="topk_weights requires grad"):
+        with pytest.raises(moe_ep.errors.IntegrationError, match="topk_weights requires grad"):
             m(x.detach(), idx, w.clone().requires_grad_())
         with torch.no_grad():
             a = m(x, idx, w)

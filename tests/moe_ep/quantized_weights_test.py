@@ -62,10 +62,10 @@ def test_all_experts_in_take_this_ranks_block():
 
 
 @pytest.mark.parametrize("field, value, error, match", [
-    ("w13_scale", lambda qw: qw.w13_scale.bfloat16(), moe_ep.DTypeError, "expected dtype torch.float32"),
-    ("w2_scale", lambda qw: qw.w2_scale[:, :1], moe_ep.ShapeError, "expected \\[4, 2, 1\\]"),
-    ("w13_scale", lambda qw: None, moe_ep.DTypeError, "needs w13_scale"),
-    ("act_scale", lambda qw: torch.ones(1), moe_ep.ShapeError, "carries no act_scale"),
+    ("w13_scale", lambda qw: qw.w13_scale.bfloat16(), moe_ep.errors.DTypeError, "expected dtype torch.float32"),
+    ("w2_scale", lambda qw: qw.w2_scale[:, :1], moe_ep.errors.ShapeError, "expected \\[4, 2, 1\\]"),
+    ("w13_scale", lambda qw: None, moe_ep.errors.DTypeError, "needs w13_scale"),
+    ("act_scale", lambda qw: torch.ones(1), moe_ep.errors.ShapeError, "carries no act_scale"),
 ])
 def test_a_pack_that_does_not_fit_its_format(field, value, error, match):
     from dataclasses import replace
@@ -83,9 +83,9 @@ def test_nvfp4_codes_and_global_scales_are_checked():
     qw = _pack("nvfp4")
     codes = qw.w2_q.clone()
     codes[2, 0, 0] = 16
-    with pytest.raises(moe_ep.ShapeError, match="expert 2 has a larger byte"):
+    with pytest.raises(moe_ep.errors.ShapeError, match="expert 2 has a larger byte"):
         moe_ep.ExpertWeights.from_quantized(replace(qw, w2_q=codes), 0, 1, E)
-    with pytest.raises(moe_ep.ShapeError, match="finite positive") as e:
+    with pytest.raises(moe_ep.errors.ShapeError, match="finite positive") as e:
         moe_ep.ExpertWeights.from_quantized(replace(qw, fc2_act_scale=qw.fc2_act_scale * 0), 0, 1, E)
     assert e.value.argument == "weights.qw.fc2_act_scale"
 
@@ -96,7 +96,7 @@ def test_w4a8_mxfp4_scales_must_fit_the_kernels_window():
     qw = _pack("w4a8_mxfp4")
     scales = qw.w2_scale.view(torch.uint8).clone()
     scales[3, 0, 0] = int(scales[3].max()) - 12  # 12 binades below the expert's largest: the kernel carries 11
-    with pytest.raises(moe_ep.ShapeError, match="expert 3's e8m0 scales span 1[2-9] binades") as e:
+    with pytest.raises(moe_ep.errors.ShapeError, match="expert 3's e8m0 scales span 1[2-9] binades") as e:
         moe_ep.ExpertWeights.from_quantized(replace(qw, w2_scale=scales.view(torch.float8_e8m0fnu)), 0, 1, E)
     assert e.value.argument == "weights.qw.w2_scale"
 
@@ -113,9 +113,9 @@ def test_a_layer_refuses_another_format_or_a_foreign_pack():
                 moe_ep.MoELayer(moe_ep.MoESpec(H, I, E, 2, 16), w, "fp8_block_only")
         finally:
             moe_ep.unregister_backend("fp8_block_only")
-        with pytest.raises(moe_ep.ShapeError, match="hidden 256, intermediate 128"):
+        with pytest.raises(moe_ep.errors.ShapeError, match="hidden 256, intermediate 128"):
             moe_ep.MoELayer(moe_ep.MoESpec(H, 2 * I, E, 2, 16), w, "torch_reference")
-    with pytest.raises(moe_ep.WeightsRankError, match="pack starts at 3"):
+    with pytest.raises(moe_ep.errors.WeightsRankError, match="pack starts at 3"):
         moe_ep.QuantizedExpertWeights(_pack("bf16", e=2, offset=3), rank=1, world_size=2, num_experts=4)
 
 

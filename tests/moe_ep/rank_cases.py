@@ -79,7 +79,7 @@ def faulty(fmt: str = "bf16"):
             try:
                 report = check_multirank(layer, hidden, idx, w, out, weights=weights)
                 records[name] = {"ok": report.ok, "deterministic": same}
-            except moe_ep.OracleMismatchError as e:
+            except moe_ep.errors.OracleMismatchError as e:
                 records[name] = {"error": error_record(e), "deterministic": same}
     return records
 

@@ -44,7 +44,7 @@ def test_list_backends_describes_every_entry_without_importing_a_backend():
 
 
 def test_unknown_backend_lists_the_valid_names():
-    with pytest.raises(moe_ep.BackendNotFoundError) as e:
+    with pytest.raises(moe_ep.errors.BackendNotFoundError) as e:
         registry.get_entry("nope")
     assert e.value.argument == "backend" and "torch_reference" in str(e.value) and "sm90_fp8_cutedsl" in str(e.value)
     assert isinstance(e.value, KeyError)
@@ -64,18 +64,22 @@ def test_absent_module_is_unavailable_with_reason(scratch_names):
 
 def test_import_failure_is_unavailable_with_reason(tmp_path, monkeypatch, scratch_names):
     (tmp_path / "moe_ep_broken_backend.py").write_text("raise ImportError('needs a GPU toolchain')\n")
-    (tmp_path / "moe_ep_ok_backend.py").write_text("class B:\n    pass\n")
+    (tmp_path / "moe_ep_ok_backend.py").write_text("import moe_ep\n\n\nclass B(moe_ep.Backend):\n    pass\n\n\n"
+                                                  "class NotABackend:\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     registry.register_backend("t_broken", "moe_ep_broken_backend:B", arch="sm90", formats=("bf16",))
     registry.register_backend("t_noattr", "moe_ep_ok_backend:Missing", arch="sm90", formats=("bf16",))
     registry.register_backend("t_ok", "moe_ep_ok_backend:B", arch="sm90", formats=("bf16",))
-    scratch_names.extend(["t_broken", "t_noattr", "t_ok"])
+    registry.register_backend("t_stranger", "moe_ep_ok_backend:NotABackend", arch="sm90", formats=("bf16",))
+    scratch_names.extend(["t_broken", "t_noattr", "t_ok", "t_stranger"])
     assert moe_ep.list_backends()["t_broken"].available is True  # present; whether it imports is found later
     with pytest.raises(moe_ep.BackendUnavailableError, match="ImportError: needs a GPU toolchain"):
         registry.resolve_backend("t_broken")
     with pytest.raises(moe_ep.BackendUnavailableError, match="no attribute 'Missing'"):
         registry.resolve_backend("t_noattr")
     assert registry.resolve_backend("t_ok").__name__ == "B"
+    with pytest.raises(moe_ep.errors.RegistrationError, match="not a moe_ep.Backend subclass"):
+        registry.resolve_backend("t_stranger")  # the layer reads a backend's capabilities from the Backend contract
 
 
 def test_a_probe_decides_availability_and_resolution(scratch_names):
@@ -107,7 +111,7 @@ def test_a_missing_format_table_is_named_by_a_failed_lookup(monkeypatch):
     monkeypatch.setattr(registry, "_tables_absent", [])
     monkeypatch.setattr(registry, "KERNEL_TABLES", ("moe_ep_no_such_shim.formats:BACKENDS",))
     assert set(moe_ep.list_backends()) == {"torch_reference"}
-    with pytest.raises(moe_ep.BackendNotFoundError, match="moe_ep_no_such_shim.formats"):
+    with pytest.raises(moe_ep.errors.BackendNotFoundError, match="moe_ep_no_such_shim.formats"):
         registry.get_entry("sm90_fp8_cutedsl")
 
 
@@ -115,15 +119,15 @@ def test_register_rejects_bad_entries(scratch_names):
     with pytest.raises(moe_ep.FormatError) as e:
         registry.register_backend("t_bad", "a.b:C", arch="cpu", formats=("fp6",))
     assert e.value.argument == "formats"
-    with pytest.raises(moe_ep.RegistrationError, match="module:attr") as e:
+    with pytest.raises(moe_ep.errors.RegistrationError, match="module:attr") as e:
         registry.register_backend("t_bad", "a.b.C", arch="cpu", formats=("bf16",))
     assert e.value.argument == "target" and isinstance(e.value, ValueError)
-    with pytest.raises(moe_ep.RegistrationError, match="already registered") as e:
+    with pytest.raises(moe_ep.errors.RegistrationError, match="already registered") as e:
         registry.register_backend("torch_reference", "a.b:C", arch="cpu", formats=("bf16",))
     assert e.value.argument == "name"
-    with pytest.raises(moe_ep.RegistrationError, match="already registered"):  # a format table's row, too
+    with pytest.raises(moe_ep.errors.RegistrationError, match="already registered"):  # a format table's row, too
         registry.register_backend("sm90_fp8_cutedsl", "a.b:C", arch="sm90", formats=("bf16",))
-    with pytest.raises(moe_ep.RegistrationError) as e:
+    with pytest.raises(moe_ep.errors.RegistrationError) as e:
         registry.register_backend("t_bad", "a.b:C", arch="cpu", formats=())
     assert e.value.argument == "formats"
 

@@ -37,7 +37,7 @@ def test_spec_errors_name_the_argument(kwargs, argument):
 
 def test_spec_world_size_must_divide_experts():
     s = moe_ep.MoESpec(64, 32, 6, 2, 4)
-    with pytest.raises(moe_ep.WorldSizeError) as e:
+    with pytest.raises(moe_ep.errors.WorldSizeError) as e:
         s.experts_per_rank(4)
     assert e.value.argument == "world_size" and "does not divide" in str(e.value)
 
@@ -61,14 +61,14 @@ def test_from_global_slices_contiguous_blocks():
 
 
 @pytest.mark.parametrize("mutate, err, argument", [
-    (lambda a: a.update(w13=a["w13"].float()), moe_ep.DTypeError, "weights.w13"),
-    (lambda a: a.update(w2=[1, 2]), moe_ep.DTypeError, "weights.w2"),
-    (lambda a: a.update(w13=a["w13"][0]), moe_ep.ShapeError, "weights.w13"),
-    (lambda a: a.update(w13=a["w13"][:1]), moe_ep.ShapeError, "weights.w13"),
-    (lambda a: a.update(w2=a["w2"][:, :, :3]), moe_ep.ShapeError, "weights.w2"),
-    (lambda a: a.update(rank=4), moe_ep.WeightsRankError, "weights.rank"),
-    (lambda a: a.update(rank=-1), moe_ep.WeightsRankError, "weights.rank"),
-    (lambda a: a.update(num_experts=6, world_size=4), moe_ep.WorldSizeError, "weights.world_size"),
+    (lambda a: a.update(w13=a["w13"].float()), moe_ep.errors.DTypeError, "weights.w13"),
+    (lambda a: a.update(w2=[1, 2]), moe_ep.errors.DTypeError, "weights.w2"),
+    (lambda a: a.update(w13=a["w13"][0]), moe_ep.errors.ShapeError, "weights.w13"),
+    (lambda a: a.update(w13=a["w13"][:1]), moe_ep.errors.ShapeError, "weights.w13"),
+    (lambda a: a.update(w2=a["w2"][:, :, :3]), moe_ep.errors.ShapeError, "weights.w2"),
+    (lambda a: a.update(rank=4), moe_ep.errors.WeightsRankError, "weights.rank"),
+    (lambda a: a.update(rank=-1), moe_ep.errors.WeightsRankError, "weights.rank"),
+    (lambda a: a.update(num_experts=6, world_size=4), moe_ep.errors.WorldSizeError, "weights.world_size"),
     (lambda a: a.update(act_amax=-1.0), moe_ep.CalibrationError, "weights.act_amax"),
     (lambda a: a.update(fc2_act_amax=float("nan")), moe_ep.CalibrationError, "weights.fc2_act_amax"),
 ])
@@ -87,7 +87,7 @@ def test_errors_survive_pickling_with_their_argument():
     e = moe_ep.PeerValidationError("hidden", "rank 2 failed", ranks=[2], reasons={2: "bad"})
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is moe_ep.PeerValidationError and back.argument == "hidden" and back.ranks == (2,)
-    d = pickle.loads(pickle.dumps(moe_ep.DTypeError("hidden", "expected bf16")))
+    d = pickle.loads(pickle.dumps(moe_ep.errors.DTypeError("hidden", "expected bf16")))
     assert isinstance(d, TypeError) and isinstance(d, ValueError) and d.argument == "hidden"
 
 

@@ -32,7 +32,7 @@ def test_a_domain_map_is_parsed_into_canonical_order():
     ("0,1|1,2", [1], "appear twice"), ("0,1", [2, 3], "in no domain"), ("0,1|2,3,4", [4], "not in a group"),
     ("0,x|1", [], "integers"), ("0,1||2,3", [], "empty domain")])
 def test_a_bad_domain_map_is_a_typed_error_naming_the_ranks(text, ranks, words):
-    with pytest.raises(moe_ep.TopologyError) as info:
+    with pytest.raises(moe_ep.errors.TopologyError) as info:
         topology.parse_domains(text, 4)
     assert info.value.argument == "MOE_EP_DOMAINS" and list(info.value.ranks) == ranks and words in str(info.value)
 
@@ -52,16 +52,16 @@ def test_domains_follow_hosts_and_p2p_reach():
     assert d.describe() == "0,1|2,3" and d.source == "cuda p2p"
     cpu = [_facts("a", -1, ()), _facts("b", -1, ()), _facts("a", -1, ())]
     assert topology._derive(cpu, 3).describe() == "0,2|1"
-    with pytest.raises(moe_ep.TopologyError) as info:
+    with pytest.raises(moe_ep.errors.TopologyError) as info:
         topology._derive([_facts("a", 0, full, "0|1"), _facts("a", 1, full, None)], 2)
     assert list(info.value.ranks) == [1] and "different domain maps" in str(info.value)
-    with pytest.raises(moe_ep.TopologyError, match="appear twice"):
+    with pytest.raises(moe_ep.errors.TopologyError, match="appear twice"):
         topology._derive([_facts("a", 0, full, "0|0"), _facts("a", 1, full, "0|0")], 2)
 
 
 def test_a_fused_backend_is_refused_across_domains():
     topology.require_one_domain(topology.parse_domains("0,1,2,3", 4), "sm90_fp8_cutedsl")
-    with pytest.raises(moe_ep.TopologyError) as info:
+    with pytest.raises(moe_ep.errors.TopologyError) as info:
         topology.require_one_domain(topology.parse_domains("0,1|2,3", 4), "sm90_fp8_cutedsl")
     assert info.value.ranks == (2, 3) and "'sm90_fp8_cutedsl'" in str(info.value)
 

@@ -51,14 +51,14 @@ def test_bound_from_argument_environment_and_default():
 
 @pytest.mark.parametrize("raw", ["abc", "-1", "nan", "inf", "1e999", "5s"])
 def test_a_bad_environment_value_names_the_variable(raw):
-    with pytest.raises(moe_ep.WatchdogConfigError) as e:
+    with pytest.raises(moe_ep.errors.WatchdogConfigError) as e:
         wd.parse_timeout(None, env={"MOE_EP_TIMEOUT_S": raw})
     assert e.value.argument == "MOE_EP_TIMEOUT_S" and repr(raw) in str(e.value) and isinstance(e.value, ValueError)
 
 
 @pytest.mark.parametrize("value", ["5", True, -1, float("nan"), float("inf"), [3]])
 def test_a_bad_argument_names_it(value):
-    with pytest.raises(moe_ep.WatchdogConfigError) as e:
+    with pytest.raises(moe_ep.errors.WatchdogConfigError) as e:
         wd.parse_timeout(value, env={})
     assert e.value.argument == "timeout_s" and "0 turns the watchdog off" in str(e.value)
 
@@ -312,7 +312,7 @@ def test_layer_names_bounds_and_counts(group, monkeypatch):
         x, idx, w = _inputs()
         for _ in range(3):
             b(x, idx, w)
-        with pytest.raises(moe_ep.DTypeError):
+        with pytest.raises(moe_ep.errors.DTypeError):
             b(x.double(), idx, w)  # raises inside the watched call: it ends there
         b(x, idx, w)
         assert (b._watch.started, b._watch.returned) == (5, 5)
@@ -329,18 +329,18 @@ def test_layer_names_bounds_and_counts(group, monkeypatch):
     with moe_ep.MoELayer(spec, _weights(), name="off") as off:
         assert off._watch is None and off.name == "off" and not off.watched
         off(*_inputs())
-        with pytest.raises(moe_ep.WatchdogConfigError) as e:
+        with pytest.raises(moe_ep.errors.WatchdogConfigError) as e:
             off.watched = True
         assert e.value.argument == "watched"
 
 
 def test_layer_refuses_a_bad_bound(group, monkeypatch):
     spec = moe_ep.MoESpec(H, I, E, K, C)
-    with pytest.raises(moe_ep.WatchdogConfigError) as e:
+    with pytest.raises(moe_ep.errors.WatchdogConfigError) as e:
         moe_ep.MoELayer(spec, _weights(), timeout_s=-2)
     assert e.value.argument == "timeout_s"
     monkeypatch.setenv("MOE_EP_TIMEOUT_S", "soon")
-    with pytest.raises(moe_ep.WatchdogConfigError) as e:
+    with pytest.raises(moe_ep.errors.WatchdogConfigError) as e:
         moe_ep.MoELayer(spec, _weights())
     assert e.value.argument == "MOE_EP_TIMEOUT_S" and "'soon'" in str(e.value)
 

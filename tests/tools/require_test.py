@@ -94,7 +94,7 @@ def test_the_asked_gpus_present_pass(monkeypatch):
 
 
 def test_the_launcher_refuses_before_starting_a_rank(monkeypatch):
-    from moe_ep import DeviceUnavailableError
+    from moe_ep.errors import DeviceUnavailableError
     from tools.launch.launcher import launch
 
     _fake_gpus(monkeypatch, (9, 0))

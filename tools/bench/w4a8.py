@@ -211,7 +211,7 @@ def _variant_knobs(variant: str, geom: str, capacity: int, ctx):
         same = plain.replace(token_back_mode=k.token_back_mode, load_balance_mode=k.load_balance_mode,
                              flag_batch=k.flag_batch, epi_flag_batch=k.epi_flag_batch, **exchange)
         spec = _spec(geom, capacity)
-        accepts = build_check(_backend_cls("fp8_block").frontend_class(), spec, kernel_format=None)
+        accepts = build_check(_backend_cls("fp8_block").frontend_class(), spec)
         return same if accepts(same) else plain
     raise ValueError(f"unknown ablation variant {variant!r}")
 
@@ -241,7 +241,7 @@ def _frontend(fmt: str, geom: str, capacity: int, device, compile_only: bool = F
     key = (geom, fmt)
     if key not in _W["kernel_weights"]:
         with _W["lock"]:  # one worker at a time holds the quantizer's temporaries
-            _W["kernel_weights"][key] = fe.prepare_weights(weights)
+            _W["kernel_weights"][key] = fe.weights_layout.prepare(weights, fe.device)
             torch.cuda.empty_cache()
     fe.adopt_weights(_W["kernel_weights"][key])
     return fe, knobs, source

@@ -141,7 +141,7 @@ def measure(path: str, layer: int, warm_path: str, threads: int = 1, control: bo
 
     torch.set_num_threads(threads)
     from moe_ep import checkpoint
-    from moe_ep.core.errors import CheckpointError
+    from moe_ep.errors import CheckpointError
 
     # One healthy expert first (imports, code pages, allocator arenas), from an undamaged copy.
     warm_ck = checkpoint.Checkpoint(warm_path)

@@ -100,17 +100,16 @@ def _oracle(fe, idx, tw):
 def _hopper_fp8(fe, repo: str, tree: str) -> None:
     import torch
 
-    from shim.sm90 import weights as sm90_weights
-
     compute_megamoe_reference_fp8 = fe.symbols().compute_megamoe_reference_fp8
 
     kw, idx, tw = _problem(fe)
     t, h = TOKENS, fe.hidden_size
+    passed = fe.format_kwargs(fe.knobs)  # the scale and accumulation modes the frontend hands the kernel
     common = dict(input_topk_idx=idx[None], input_topk_weights=tw[None], fc1_weight=kw.fc1[None],
                   fc1_weight_sf=kw.fc1_scale[None], fc2_weight=kw.fc2[None], fc2_weight_sf=kw.fc2_scale[None],
                   ab_dtype=torch.float8_e4m3fn, gate_up_clamp=fe.spec.gate_up_clamp,
-                  fp8_accum_mode=fe.accum_mode(fe.knobs), fp8_scale_mode=fe.format.scale_mode)
-    if fe.format.scale_mode == "blockwise":
+                  fp8_accum_mode=passed["fp8_accum_mode"], fp8_scale_mode=passed["fp8_scale_mode"])
+    if passed["fp8_scale_mode"] == "blockwise":
         out = compute_megamoe_reference_fp8(input_activation=fe.act[:t][None],
                                             input_activation_sf=fe.act_sf[:t, : h // 128][None], **common)
     else:
@@ -120,7 +119,7 @@ def _hopper_fp8(fe, repo: str, tree: str) -> None:
                                             fc2_activation_dequant_scale=kw.fc2_act_dequant,
                                             fc2_weight_dequant_scale=kw.fc2_w_dequant[None], **common)
     _compare(fe.fmt, _terms(out).sum(1), _oracle(fe, idx, tw), fe.intermediate_size,
-             "moe_hopper_fp8.mega_reference_fp8", _site(sm90_weights._store, repo),
+             "moe_hopper_fp8.mega_reference_fp8", _site(type(kw).store, repo),
              _site(compute_megamoe_reference_fp8, tree))
 
 
@@ -133,15 +132,13 @@ def _terms(out):
 
 
 def _hopper_bf16(fe, repo: str, tree: str) -> None:
-    from shim.sm90 import weights as sm90_weights
-
     compute_megamoe_reference_bf16 = fe.symbols().compute_megamoe_reference_bf16
 
     kw, idx, tw = _problem(fe)
     out = compute_megamoe_reference_bf16(fe.act[:TOKENS][None], idx[None], tw[None], kw.fc1[None], kw.fc2[None],
                                          gate_up_clamp=fe.spec.gate_up_clamp)
     _compare(fe.fmt, _terms(out).sum(1), _oracle(fe, idx, tw), fe.intermediate_size,
-             "moe_hopper_bf16.mega_reference_bf16", _site(sm90_weights._store, repo),
+             "moe_hopper_bf16.mega_reference_bf16", _site(type(kw).store, repo),
              _site(compute_megamoe_reference_bf16, tree))
 
 

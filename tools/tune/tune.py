@@ -83,14 +83,11 @@ def _frontend_cls(fmt: str):
 
 def _prepare(fmt: str, w13, w2, device):
     """The kernel weights of `fmt` from bf16 (per-tensor FP8 calibrated the way the GPU suite does)."""
+    from moe_ep.formats import format_info
     from moe_ep.testing.calibration import synthetic_calibration
-    from shim.sm90 import w4a8_weights
-    from shim.sm90 import weights as sm90_weights
 
-    if fmt == "w4a8_mxfp4":
-        return w4a8_weights.prepare_weights(w13, w2, device)
-    cal = synthetic_calibration(w13) if fmt == "fp8_tensor" else {}
-    return sm90_weights.prepare_weights(fmt, w13, w2, device, **cal)
+    cal = synthetic_calibration(w13) if format_info(fmt).static_activation_scales else {}
+    return _frontend_cls(fmt).weights_layout.from_bf16(w13, w2, device, **cal)
 
 
 def _weights_for(model: str, fmt: str, capacity: int):
@@ -727,6 +724,7 @@ def tune_collective(args) -> int:
 
     import moe_ep
     from moe_ep.core.dist import RankContext, init_from_env
+    from moe_ep.formats import format_info
     from shim.common.knob_cache import KnobCache, cache_key
     from shim.common.knob_table import table_key
     from shim.sm90.knobs import Sm90Knobs, heuristic_knobs
@@ -745,7 +743,7 @@ def tune_collective(args) -> int:
         h, i, e = g["hidden"], g["intermediate"], g["experts"]
         w13 = (torch.randn(e, 2 * i, h, generator=gen, device="cuda") * h ** -0.5).to(torch.bfloat16)
         cal = {}
-        if args.fmt == "fp8_tensor":
+        if format_info(args.fmt).static_activation_scales:
             from moe_ep.testing.calibration import synthetic_calibration
 
             cal = synthetic_calibration(w13, group=ctx.group)

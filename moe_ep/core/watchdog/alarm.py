@@ -16,8 +16,8 @@ import json
 import time
 from typing import Dict, Optional, Tuple
 
-from moe_ep.core.errors import RankDivergenceError
 from moe_ep.core.watchdog import divergence, sequence, store, verdict
+from moe_ep.errors import RankDivergenceError
 
 __all__ = ["SEQUENCE_ENV", "DETAILS_S", "enabled", "checkpoints", "watch_sequences", "out_of_step", "report"]
 

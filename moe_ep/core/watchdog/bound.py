@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from moe_ep.core.errors import WatchdogConfigError
+from moe_ep.errors import WatchdogConfigError
 
 __all__ = ["WATCHDOG_EXIT_CODE", "TIMEOUT_ENV", "DEFAULT_BASE_S", "DEFAULT_FACTOR", "FIRST_CALL_S", "POLL_S",
            "HEARTBEAT_S", "STORE_TIMEOUT_S", "Bound", "parse_timeout"]

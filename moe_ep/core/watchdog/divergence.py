@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from moe_ep.core.errors import RankDivergenceError
+from moe_ep.errors import RankDivergenceError
 
 __all__ = ["compare", "Finding", "analyze", "format_message", "in_band", "error"]
 

@@ -3,7 +3,7 @@
 kind "driver" (preferred): the driver through ctypes, pre-created events, ONE call per watched call
 (cuEventRecord(event, the current stream's raw handle from torch)). torch's Event.record costs several runtime
 calls (a capture check, a device guard, the record, with the GIL released around them); with a capture check of
-our own it measured ~5.5 us a call on the H200 host (benchmarks/h200/round2_0.7.4/bench_tuned). kind "torch": the
+our own it cost several times the one driver call (docs/watchdog.md). kind "torch": the
 same through torch's events, where the driver library cannot be loaded.
 
 No capture check: recording a plain event on a capturing stream is legal (it marks a point for cross-stream
@@ -131,8 +131,8 @@ cuda = CudaEvents()
 
 def relax_capture_mode() -> None:
     """This thread's CUDA calls (event queries) must not disturb another thread's graph capture: in the default
-    "global" capture mode any thread's potentially unsafe call invalidates a capture in progress (seen on the
-    H200: a whole-model capture failed with cudaErrorStreamCaptureInvalidated while the monitor polled). A
+    "global" capture mode any thread's potentially unsafe call invalidates a capture in progress (a
+    whole-model capture fails with cudaErrorStreamCaptureInvalidated while the monitor polls). A
     thread in "relaxed" mode is exempt, and neither prohibited nor prohibiting."""
     try:
         from cuda.bindings import runtime as rt

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from moe_ep.core.errors import RankDivergenceError
+from moe_ep.errors import RankDivergenceError
 
 __all__ = ["LOG", "LOG_MASK", "BLOCK", "SEQUENCE_ENV", "GroupLog", "Caller", "log_for", "logs", "group_key",
            "group_ranks", "enabled"]

@@ -17,12 +17,12 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from moe_ep.core.errors import WatchdogConfigError
 from moe_ep.core.watchdog import events
 from moe_ep.core.watchdog import monitor as monitor_
 from moe_ep.core.watchdog.bound import Bound, parse_timeout
 from moe_ep.core.watchdog.ring import DEVICE, FREE, HOST, MASK, RING, Ring
 from moe_ep.core.watchdog.sequence import LOG_MASK, GroupLog, group_ranks, log_for
+from moe_ep.errors import WatchdogConfigError
 
 __all__ = ["Watch", "Off", "watch", "layer_identity", "layer_watch", "keep_sequences"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_ep.checkpoint import convert_fp4, convert_fp8, convert_bf16
-from moe_ep.core.errors import CheckpointError, InexactCheckpointError
+from moe_ep.errors import CheckpointError, InexactCheckpointError
 from moe_ep.formats import dequantize_weights
 from tests.moe_ep.checkpoint import synth
 

@@ -12,7 +12,7 @@ import torch
 
 import moe_ep
 from moe_ep import checkpoint
-from moe_ep.core.errors import CheckpointError, FormatError, InexactCheckpointError, WorldSizeError
+from moe_ep.errors import CheckpointError, FormatError, InexactCheckpointError, WorldSizeError
 from tests.moe_ep.checkpoint import synth
 from tests.support.dist import one_rank_gloo_group
 

@@ -83,7 +83,7 @@ def gradient_refused() -> dict:
     out = dict(rank=ctx.rank)
     try:
         model(ids, labels=ids).loss.backward()
-    except moe_ep.IntegrationError as e:
+    except moe_ep.errors.IntegrationError as e:
         out.update(error=type(e).__name__, argument=e.argument)
     with torch.no_grad():
         out["finite"] = bool(torch.isfinite(model(ids).logits).all())

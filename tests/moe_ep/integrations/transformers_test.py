@@ -89,7 +89,7 @@ def test_the_swap_keeps_router_and_shared_experts_and_frees_the_weights(group):
         assert mlp.experts.moe_ep.layer.name.startswith("model.layers.1.mlp.experts")  # the watchdog names it so
         # documented: the experts are no nn.Parameters any more (an optimizer, num_parameters() do not see them)
         assert model.num_parameters() == before - experts
-        with pytest.raises(moe_ep.IntegrationError, match="already on moe_ep"):
+        with pytest.raises(moe_ep.errors.IntegrationError, match="already on moe_ep"):
             _swapped(model)
     finally:
         close(model)
@@ -103,13 +103,13 @@ def test_the_swap_keeps_router_and_shared_experts_and_frees_the_weights(group):
 def test_a_model_moe_ep_cannot_serve_is_refused_untouched(group, arch, kw, match):
     model = _tiny(arch, **kw)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(moe_ep.IntegrationError, match=match) as e:
+    with pytest.raises(moe_ep.errors.IntegrationError, match=match) as e:
         _swapped(model)
     assert e.value.argument.startswith("model.layers.0.")
     assert not any(isinstance(m, moe_ep.MoEModule) for m in model.modules())
     after = model.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
-    with pytest.raises(moe_ep.IntegrationError) as e:
+    with pytest.raises(moe_ep.errors.IntegrationError) as e:
         _swapped(torch.nn.Linear(4, 4))
     assert e.value.argument == "model"
 
@@ -117,7 +117,7 @@ def test_a_model_moe_ep_cannot_serve_is_refused_untouched(group, arch, kw, match
 def test_an_experts_module_holding_a_tensor_moe_ep_would_ignore_is_refused(group):
     model = _tiny("mixtral")
     model.model.layers[1].mlp.experts.register_buffer("scales", torch.ones(8))
-    with pytest.raises(moe_ep.IntegrationError, match="would ignore: \\['scales'\\]") as e:
+    with pytest.raises(moe_ep.errors.IntegrationError, match="would ignore: \\['scales'\\]") as e:
         _swapped(model)
     assert e.value.argument == "model.layers.1.mlp.experts"
 
@@ -171,7 +171,7 @@ def test_save_pretrained_of_quantized_layers_is_refused_before_anything_is_writt
     model = _tiny("mixtral")
     _swapped(model, fmt="fp8_block")
     try:
-        with pytest.raises(moe_ep.IntegrationError, match="fmt 'fp8_block'") as e:
+        with pytest.raises(moe_ep.errors.IntegrationError, match="fmt 'fp8_block'") as e:
             model.save_pretrained(tmp_path / "out")
         assert e.value.argument == "model.layers.0.mlp.experts" and not (tmp_path / "out").exists()
     finally:
@@ -211,14 +211,14 @@ def test_a_forward_that_needs_a_gradient_is_refused(group, compiled):
         if compiled:
             block = torch.compile(model.model.layers[0].mlp, backend="aot_eager")
             x = torch.randn(2, 10, model.config.hidden_size, dtype=torch.bfloat16)
-            with pytest.raises(moe_ep.IntegrationError, match="needs a gradient") as e:
+            with pytest.raises(moe_ep.errors.IntegrationError, match="needs a gradient") as e:
                 block(x.requires_grad_())
             with torch.no_grad():
                 assert torch.isfinite(block(x)).all()
         else:
-            with pytest.raises(moe_ep.IntegrationError, match="needs a gradient") as e:
+            with pytest.raises(moe_ep.errors.IntegrationError, match="needs a gradient") as e:
                 model(ids, labels=ids).loss.backward()
-            with pytest.raises(moe_ep.IntegrationError, match="needs a gradient"):
+            with pytest.raises(moe_ep.errors.IntegrationError, match="needs a gradient"):
                 model(ids)  # a plain forward under grad mode: the parameters require grad, so the hidden states do
             with torch.no_grad():
                 assert torch.isfinite(model(ids).logits).all()
@@ -242,14 +242,14 @@ def test_conversions_work_whole_or_are_refused_before_any_parameter_changes(grou
     try:
         assert model.to(torch.bfloat16) is model and model.to("cpu") is model  # no-ops
         state = {k: v.clone() for k, v in model.state_dict().items()}
-        for refused, err in ((lambda: model.to(torch.float64), moe_ep.DTypeError),
-                             (lambda: model.double(), moe_ep.DTypeError),
-                             (lambda: model.model.layers[0].to("meta"), moe_ep.DeviceError)):
+        for refused, err in ((lambda: model.to(torch.float64), moe_ep.errors.DTypeError),
+                             (lambda: model.double(), moe_ep.errors.DTypeError),
+                             (lambda: model.model.layers[0].to("meta"), moe_ep.errors.DeviceError)):
             with pytest.raises(err):
                 refused()
             after = model.state_dict()
             assert all(after[k].dtype == state[k].dtype and torch.equal(after[k], state[k]) for k in state)
-        with pytest.raises(moe_ep.IntegrationError, match="cannot be copied"):
+        with pytest.raises(moe_ep.errors.IntegrationError, match="cannot be copied"):
             copy.deepcopy(model)
         model.to(torch.float16)  # the whole model in fp16; the experts keep their format and return fp16
         assert model.model.embed_tokens.weight.dtype == torch.float16
@@ -275,7 +275,7 @@ def test_moe_ep_imports_without_transformers():
             "import moe_ep.testing.hf_matrix\n"
             "try:\n"
             "    t.swap_experts(None)\n"
-            "except moe_ep.IntegrationError as e:\n"
+            "except moe_ep.errors.IntegrationError as e:\n"
             "    print('ARG', e.argument)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -84,7 +84,7 @@ def test_different_lists_on_ranks_are_refused():
 def test_single_process_without_group():
     r = collective_autotune([3, 1, 2], lambda c: [c * 10.0, c * 10.0 + 1], progress=False)
     assert r.winner == 1 and r.winner_index == 1 and r.scores_us == [30.5, 10.5, 20.5]
-    with pytest.raises(moe_ep.TuningError) as err:
+    with pytest.raises(moe_ep.errors.TuningError) as err:
         collective_autotune([], lambda c: [1.0])
     assert err.value.argument == "candidates"
     with pytest.raises(NoViableCandidateError):

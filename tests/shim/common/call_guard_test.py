@@ -149,7 +149,7 @@ def test_the_switch(monkeypatch):
         monkeypatch.setenv(cg.ENV, raw)
         assert cg.requested() is want
     monkeypatch.setenv(cg.ENV, "maybe")
-    with pytest.raises(moe_ep.CheckConfigError) as e:
+    with pytest.raises(moe_ep.errors.CheckConfigError) as e:
         cg.requested()
     assert e.value.argument == cg.ENV
     monkeypatch.setenv(cg.ENV, "1")

@@ -42,19 +42,18 @@ def _lazy_symbols(arch):
 @pytest.mark.parametrize("arch", ARCHES)
 def test_the_registry_the_backends_and_the_table_agree(arch):
     table = _table(arch)
-    backend_module = __import__(f"shim.{arch}.backend", fromlist=["ROW_CLASSES"])
+    backend_module = __import__(f"shim.{arch}.backend", fromlist=["__all__"])
     knobs = __import__(f"shim.{arch}.knobs", fromlist=["KNOB_SPACE"])
     lazy = _lazy_symbols(arch)
     listed = [name for name, info in moe_ep.list_backends().items() if info.arch == arch]
     assert listed == [row.backend for row in table], "registry order is table order (an arch's first row is its default)"
-    assert set(backend_module.ROW_CLASSES) == {row.target.split(":")[1] for row in table}
     for row in table:
         entry = registry.get_entry(row.backend)
         assert (entry.target, entry.arch, entry.formats, entry.description) == (
             row.target, arch, (row.fmt,), row.description)
         cls = registry.resolve_backend(row.backend)
         assert cls is getattr(backend_module, row.target.split(":")[1])
-        assert (cls.name, cls.arch, cls.format, cls.weight_formats, cls.table) == (
+        assert (cls.name, cls.arch, cls.row, cls.weight_formats, cls.table) == (
             row.backend, arch, row, (row.fmt,), table)
         assert issubclass(cls, moe_ep.Backend)
         fe = cls.frontend_class()
@@ -69,19 +68,33 @@ def test_the_registry_the_backends_and_the_table_agree(arch):
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_the_arch_classes_fill_in_hooks_only(arch):
-    """The shipped arch and format classes define no composer (they would not import otherwise), and every row
-    class is its arch class bound to one row."""
+    """The shipped arch and format classes define no composer (they would not import otherwise); every backend class
+    the arch module writes out is its arch class bound to one row, one per row; every frontend is one class on its
+    arch's (arch -> format, nothing between) with its own weight layout."""
     from shim.common.frontend import MegaMoEFrontend
+    from shim.common.weights import KernelWeights
 
     table = _table(arch)
-    backend_module = __import__(f"shim.{arch}.backend", fromlist=["ROW_CLASSES"])
+    backend_module = __import__(f"shim.{arch}.backend", fromlist=["__all__"])
     arch_cls = getattr(backend_module, f"{arch.capitalize()}Backend")
-    classes = backend_module.ROW_CLASSES
-    assert [c.format for c in classes.values()] == list(table.rows)
-    assert all(c.__bases__ == (arch_cls,) and c.name == c.format.backend for c in classes.values())
+    classes = [getattr(backend_module, n) for n in backend_module.__all__ if n != arch_cls.__name__]
+    assert sorted(c.row.backend for c in classes) == sorted(row.backend for row in table)
+    assert all(c.__bases__ == (arch_cls,) and c.name == c.row.backend for c in classes)
     for row in table:
         fe = row.frontend_class()
         assert issubclass(fe, MegaMoEFrontend) and fe.table is table
+        assert fe.__mro__[2] is MegaMoEFrontend, f"{fe.__name__} sits {fe.__mro__.index(MegaMoEFrontend) - 1} deep"
+        assert issubclass(fe.weights_layout, KernelWeights) and fe.weights_layout.fmt == row.fmt
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_backend_class_names_its_own_row(arch):
+    """A class bound to a row whose target names another class is refused when it is defined."""
+    backend_module = __import__(f"shim.{arch}.backend", fromlist=["__all__"])
+    arch_cls = getattr(backend_module, f"{arch.capitalize()}Backend")
+    fmt = _table(arch).rows[0].fmt
+    with pytest.raises(ValueError, match="targets"):
+        type("Impostor", (arch_cls,), {"__module__": backend_module.__name__}, fmt=fmt)
 
 
 def select_default(arch):
@@ -154,8 +167,8 @@ def test_availability_follows_the_trees_contents(tmp_path):
         spec = moe_ep.MoESpec(hidden_size=128, intermediate_size=128, num_experts=4, top_k=2, max_tokens_per_rank=8)
         w = moe_ep.ExpertWeights(torch.zeros(4, 256, 128, dtype=torch.bfloat16),
                                  torch.zeros(4, 128, 128, dtype=torch.bfloat16), rank=0, world_size=1, num_experts=4)
-        import moe_ep.core.layer
-        moe_ep.core.layer.require_arch = lambda *a, **k: None  # as on a Hopper host: the layer's arch guard passes
+        import moe_ep.layer
+        moe_ep.layer.require_arch = lambda *a, **k: None  # as on a Hopper host: the layer's arch guard passes
         with one_rank_gloo_group():
             try:
                 moe_ep.MoELayer(spec, w, backend="sm90_bf16_cutedsl")

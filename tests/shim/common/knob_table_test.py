@@ -72,7 +72,7 @@ def test_explicit_and_the_users_cache_come_first(tables, tmp_path):
 def test_a_broken_table_is_an_error_naming_the_file(tables):
     (tables / "bad.json").write_text("{not json")
     knob_table.load_tables.cache_clear()
-    with pytest.raises(moe_ep.KnobError, match="bad.json"):
+    with pytest.raises(moe_ep.errors.KnobError, match="bad.json"):
         _resolve()
 
 

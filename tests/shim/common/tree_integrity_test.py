@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_ep.core.errors import BackendUnavailableError, MoEError
+from moe_ep.errors import BackendUnavailableError, MoEError
 from shim.common import integrity, lazy, tree
 from shim.common.tree import TreeConflictError, TreeIntegrityError, TreeNotFoundError, UnpinnedTreeWarning
 

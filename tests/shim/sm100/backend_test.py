@@ -83,7 +83,7 @@ def gloo_group():
 
 
 def test_a_layer_refuses_a_format_the_backend_does_not_serve(gloo_group, monkeypatch):
-    from moe_ep.core import layer as layer_module
+    from moe_ep import layer as layer_module
 
     # As on a Blackwell host: the layer's arch guard passes (on this CPU host it would refuse first).
     monkeypatch.setattr(layer_module, "require_arch", lambda *a, **k: None)

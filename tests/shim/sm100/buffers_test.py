@@ -143,11 +143,11 @@ def test_the_mxfp8_hidden_rule_is_the_drops_own(monkeypatch):
     from shim.sm100.backend import Sm100Mxfp8Backend
     from shim.sm100.knobs import InvalidKnobsError
 
-    relaxed = dataclasses.replace(Sm100Mxfp8Backend.format, hidden_multiple=64)
-    monkeypatch.setattr(Sm100Mxfp8Backend, "format", relaxed)
+    relaxed = dataclasses.replace(Sm100Mxfp8Backend.row, hidden_multiple=64)
+    monkeypatch.setattr(Sm100Mxfp8Backend, "row", relaxed)
     with pytest.raises(InvalidKnobsError, match="hidden=448 is not supported") as err:
         _frontend("mxfp8", hidden=448)
-    assert isinstance(err.value, moe_ep.KnobError)
+    assert isinstance(err.value, moe_ep.errors.KnobError)
 
 
 def test_a_knob_set_the_kernel_cannot_build_is_refused_by_name():

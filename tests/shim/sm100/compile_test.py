@@ -38,7 +38,7 @@ def test_kernel_compiles_on_cpu_for_sm100a(fmt, capacity, token_back):
 
     f = compile_only(fmt, **GEOM, capacity=capacity)
     assert f.knobs.token_back_mode == token_back and f.knobs == heuristic_knobs(fmt, capacity)
-    assert (type(f.kernel).__name__,) == f.format.kernel_classes == (KERNEL[fmt],)  # the format table's row
+    assert (type(f.kernel).__name__,) == f.row.kernel_classes == (KERNEL[fmt],)  # the format table's row
     t0 = time.perf_counter()
     compiled = f.compile()
     seconds = time.perf_counter() - t0

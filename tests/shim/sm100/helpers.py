@@ -13,6 +13,13 @@ def canonical_weights(e=3, h=256, i=128, seed=0):
     return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
 
 
+def layout(fmt):
+    """The format's Blackwell weight layout (its frontend's KernelWeights class)."""
+    from shim.sm100.formats import BACKENDS
+
+    return BACKENDS.row(fmt).frontend_class().weights_layout
+
+
 def same_bytes(a, b) -> bool:
     """Bitwise equality, dtype and shape included (also for 1-byte float types torch cannot compare)."""
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):

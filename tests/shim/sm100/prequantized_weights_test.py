@@ -1,16 +1,16 @@
 """An already-quantized pack (a checkpoint's bytes, moe_ep.checkpoint's converters) laid out for the Blackwell
 kernels: the kernel tensors (e2m1 pairs, swizzled scale atoms, gate/up interleave) read back through
-Sm100KernelWeights.canonical() as the pack byte for byte, global scales and the NVFP4 epilogue scalars included;
+the layout's canonical() as the pack byte for byte, global scales and the NVFP4 epilogue scalars included;
 nothing is requantized."""
 import pytest
 import torch
 
 import moe_ep
 from moe_ep.checkpoint import convert_fp4, convert_fp8
-from moe_ep.core.errors import FormatError
+from moe_ep.errors import FormatError
 from moe_ep.formats import codecs
 from tests.moe_ep.checkpoint import synth
-from tests.shim.sm100.helpers import same_bytes
+from tests.shim.sm100.helpers import layout, same_bytes
 
 STEM = "model.layers.1.mlp.experts"
 
@@ -41,10 +41,8 @@ def _pack(fmt):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
 def test_a_checkpoint_pack_reads_back_byte_for_byte(fmt):
-    from shim.sm100 import weights
-
     qw = _pack(fmt)
-    kw = weights.prepare_quantized(qw, torch.device("cpu"))
+    kw = layout(fmt).from_pack(qw, torch.device("cpu"))
     got = kw.canonical()
     assert got.fmt == fmt and got.expert_offset == 4
     assert sorted(got.tensor_fields()) == sorted(qw.tensor_fields())
@@ -56,12 +54,10 @@ def test_a_checkpoint_pack_reads_back_byte_for_byte(fmt):
 
 
 def test_the_frontend_entry_refuses_another_format():
-    from shim.sm100 import weights
-
     w = moe_ep.ExpertWeights.from_quantized(_pack("mxfp8"), rank=1, world_size=2, num_experts=8)
-    assert weights.prepare("mxfp8", w, torch.device("cpu")).expert_offset == 4
+    assert layout("mxfp8").prepare(w, torch.device("cpu")).expert_offset == 4
     with pytest.raises(FormatError, match="quantized as 'mxfp8'"):
-        weights.prepare("nvfp4", w, torch.device("cpu"))
+        layout("nvfp4").prepare(w, torch.device("cpu"))
 
 
 if __name__ == "__main__":

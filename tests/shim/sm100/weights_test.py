@@ -2,7 +2,8 @@
 
 Three independent sides meet here:
   * moe_ep's reference quantizers (the oracle's): what the kernel must compute with;
-  * shim.sm100.weights: the kernel layouts (gate/up interleave, e2m1 pairs, swizzled block scales);
+  * the kernel layouts (each format's KernelWeights in shim/sm100/<format>_frontend.py, over shim.sm100.weights:
+    gate/up interleave, e2m1 pairs, swizzled block scales);
   * the drop's own torch helpers (to_blocked / from_blocked, unpack_fp4_to_f32, swiglu_fold_interleave,
     mxfp8_quantize_per_block_32_row): what the kernel team's runners feed the same kernels.
 The kernel tensors, read back, must equal the reference quantization byte for byte, and each layout rule
@@ -14,7 +15,7 @@ import torch
 from moe_ep.formats import codecs
 from moe_ep.formats import packs
 from moe_ep.reference import ffn
-from tests.shim.sm100.helpers import canonical_weights, same_bytes
+from tests.shim.sm100.helpers import canonical_weights, layout, same_bytes
 
 pytestmark = pytest.mark.usefixtures("sm100_tree")
 
@@ -23,9 +24,7 @@ CAL = {"nvfp4": dict(act_amax=6.5, fc2_act_amax=0.75)}
 
 
 def _prepare(fmt, w13, w2, offset=6):
-    from shim.sm100 import weights
-
-    return weights.prepare_weights(fmt, w13, w2, torch.device("cpu"), expert_offset=offset, **CAL.get(fmt, {}))
+    return layout(fmt).from_bf16(w13, w2, torch.device("cpu"), expert_offset=offset, **CAL.get(fmt, {}))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -52,7 +51,7 @@ def test_kernel_views_are_k_major_with_the_drops_shapes(fmt):
     assert kw.fc1.dtype == dtype and tuple(kw.fc1.shape) == (e, h // pack, 2 * i) and kw.fc1.stride()[1] == 1
     assert kw.fc2.dtype == dtype and tuple(kw.fc2.shape) == (e, i // pack, h) and kw.fc2.stride()[1] == 1
     if fmt == "bf16":
-        assert kw.fc1_sf is None and kw.fc2_sf is None
+        assert not hasattr(kw, "fc1_sf") and not hasattr(kw, "fc2_sf")  # nothing to scale
         return
     blk = {"nvfp4": 16, "mxfp8": 32}[fmt]
     sf_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
@@ -121,9 +120,7 @@ def test_pack_e2m1_round_trips_every_code_pair():
 def test_gate_up_pairing_is_the_one_the_drops_swiglu_fold_reads(ks, fmt, group):
     """FC1 computed with the kernel's row order and folded the drop's way is SwiGLU(gate, up) of the
     canonical rows: the interleave puts each gate row opposite its own up row."""
-    from shim.sm100.weights import GATE_UP_INTERLEAVE
-
-    assert GATE_UP_INTERLEAVE[fmt] == group
+    assert layout(fmt).interleave == group
     h, i = 64, 4 * group
     g = torch.Generator().manual_seed(group)
     w13 = torch.randn(1, 2 * i, h, generator=g)
@@ -161,20 +158,20 @@ def test_nvfp4_epilogue_scalars_are_the_oracles_alphas():
 
 
 def test_nvfp4_needs_calibration():
-    from moe_ep.core.errors import CalibrationError
-    from shim.sm100 import weights
+    from moe_ep.errors import CalibrationError
 
     w13, w2 = canonical_weights()
     with pytest.raises(CalibrationError) as err:
-        weights.prepare_weights("nvfp4", w13, w2, torch.device("cpu"), act_amax=1.0)
+        layout("nvfp4").from_bf16(w13, w2, torch.device("cpu"), act_amax=1.0)
     assert err.value.argument == "fc2_act_amax"
 
 
-def test_unknown_format_is_refused():
-    from shim.sm100 import weights
+def test_a_pack_of_another_format_is_refused():
+    from moe_ep.errors import FormatError
 
-    with pytest.raises(ValueError, match="fmt must be one of"):
-        weights.prepare_weights("fp8_block", *canonical_weights(), torch.device("cpu"))
+    with pytest.raises(FormatError) as err:
+        layout("mxfp8").from_pack(packs.quantize_weights("fp8_block", *canonical_weights()), torch.device("cpu"))
+    assert err.value.argument == "weights.qw.fmt"
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def test_fp8_kernel_compiles_on_cpu(capacity):
     assert type(f).__name__ == "Sm90Fp8Frontend" and f.fmt == "fp8_block"
     assert f.knobs.swap_ab == (capacity == 64)
     # The kernel the frontend builds is the one its format table row names (plain, or swap-AB by the knob).
-    assert type(f.kernel).__name__ == f.format.kernel_classes[int(f.knobs.swap_ab)]
+    assert type(f.kernel).__name__ == f.row.kernel_classes[int(f.knobs.swap_ab)]
     compiled = f.compile()
     assert compiled is not None and callable(compiled)
     again = compile_only_frontend("sm90_fp8_cutedsl", _spec(capacity))
@@ -47,7 +47,7 @@ def test_bf16_kernel_compiles_on_cpu(capacity):
     f = compile_only_frontend("sm90_bf16_cutedsl", _spec(capacity))
     assert type(f).__name__ == "Sm90Bf16Frontend"
     assert f.knobs.kernel == "Sm90MegaMoEBf16Kernel" and f.knobs.mma_tiler_mnk[2] == 64
-    assert type(f.kernel).__name__ == f.format.kernel_classes[int(f.knobs.swap_ab)]
+    assert type(f.kernel).__name__ == f.row.kernel_classes[int(f.knobs.swap_ab)]
     assert callable(f.compile())
 
 
@@ -79,7 +79,7 @@ def test_w4a8_mxfp4_kernel_compiles_on_cpu():
 def test_w4a8_knob_sets_the_kernel_cannot_build_are_typed_errors(knobs, argument):
     from shim.common.backend import compile_only_frontend
 
-    with pytest.raises(moe_ep.KnobError) as e:
+    with pytest.raises(moe_ep.errors.KnobError) as e:
         compile_only_frontend("sm90_w4a8_mxfp4_cutedsl", _spec(64), knobs=knobs)
     assert e.value.argument == argument
 
@@ -106,7 +106,7 @@ def test_a_knob_set_the_kernel_rejects_is_a_typed_error_before_compiling():
     from shim.common.backend import compile_only_frontend
 
     # The FP8 kernel refuses ping-pong with the non-swap (64, 256, 128) tile (measured on the H200).
-    with pytest.raises(moe_ep.KnobError) as e:
+    with pytest.raises(moe_ep.errors.KnobError) as e:
         compile_only_frontend("sm90_fp8_cutedsl", _spec(1024), knobs=dict(
             swap_ab=False, mma_tiler_mnk=(64, 256, 128), cluster_shape_mnk=(1, 1, 1), pingpong=True))
     assert e.value.argument == "knobs"
@@ -120,7 +120,7 @@ def test_the_tuners_build_check_asks_the_kernels_constructor():
     from shim.sm90.tune import build_check
 
     row = BACKENDS.row("fp8_block")
-    accepts = build_check(row.frontend_class(), _spec(1024), kernel_format=row)
+    accepts = build_check(row.frontend_class(), _spec(1024), row=row)
     base = heuristic_knobs("fp8_block", 1024)
     assert accepts(base)
     assert not accepts(base.replace(swap_ab=False, mma_tiler_mnk=(64, 256, 128), cluster_shape_mnk=(1, 1, 1),

@@ -77,7 +77,7 @@ def _frontend():
 
     f = compile_only_frontend("sm90_fp8_cutedsl", moe_ep.MoESpec(512, 256, 8, 4, 16))
     f.compile_only = False  # as on a device: forward() takes the graph paths
-    f._weights = f.placeholder_weights()
+    f._weights = f.weights_layout.placeholder(f.experts_per_rank, f.hidden_size, f.intermediate_size)
     f.compiled = _kernel
     _Graph.made = 0
     return f

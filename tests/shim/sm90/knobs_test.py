@@ -39,7 +39,7 @@ def test_env_var_names_the_file(tmp_path, monkeypatch):
 def test_corrupt_cache_is_an_error_not_a_silent_default(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"version": 99, "entries": {}}))
-    with pytest.raises(moe_ep.KnobError, match="not a version-1") as e:
+    with pytest.raises(moe_ep.errors.KnobError, match="not a version-1") as e:
         KnobCache(str(path)).get("k")
     assert e.value.argument == "MOE_EP_KNOB_CACHE"
 
@@ -121,7 +121,7 @@ def test_invalid_knobs_are_rejected_by_name(bad, knob):
     with pytest.raises(InvalidKnobsError) as e:
         resolve_knobs(bad, fmt="fp8_block", max_tokens_per_rank=128, cache_key="k", cache=KnobCache(""))
     assert e.value.knob == knob and knob in str(e.value)
-    assert isinstance(e.value, moe_ep.KnobError) and e.value.argument == knob
+    assert isinstance(e.value, moe_ep.errors.KnobError) and e.value.argument == knob
 
 
 def _spec(capacity, h=7168, i=2048, e=32, k=8):

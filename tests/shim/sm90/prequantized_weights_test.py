@@ -7,11 +7,17 @@ import torch
 
 import moe_ep
 from moe_ep.checkpoint import convert_bf16, convert_fp4, convert_fp8
-from moe_ep.core.errors import FormatError
+from moe_ep.errors import FormatError
 from shim.sm90 import weights
+from shim.sm90.formats import BACKENDS
 from tests.moe_ep.checkpoint import synth
 
 STEM = "model.layers.1.mlp.experts"
+
+
+def layout(fmt):
+    """The format's Hopper weight layout (its frontend's KernelWeights class)."""
+    return BACKENDS.row(fmt).frontend_class().weights_layout
 
 
 def _stack(t, proj, suffix, e=4):
@@ -45,7 +51,7 @@ def _packs():
 @pytest.mark.parametrize("chunk_bytes", [1 << 30, 2 * 512 * 256 * 4])  # all experts at once / two at a time
 def test_a_checkpoint_pack_reads_back_byte_for_byte(fmt, chunk_bytes):
     qw = _packs()[fmt]
-    kw = weights.prepare_quantized(qw, torch.device("cpu"), chunk_bytes=chunk_bytes)
+    kw = layout(fmt).from_pack(qw, torch.device("cpu"), chunk_bytes=chunk_bytes)
     got = kw.canonical()
     assert got.fmt == fmt and got.expert_offset == 8
     assert sorted(got.tensor_fields()) == sorted(qw.tensor_fields())
@@ -58,7 +64,7 @@ def test_a_checkpoint_pack_reads_back_byte_for_byte(fmt, chunk_bytes):
 
 
 def test_a_gpt_oss_pack_in_the_w4a8_layout_reads_back_byte_for_byte():
-    from shim.sm90 import w4a8_weights
+    from shim.sm90.w4a8_weights import Sm90W4A8Weights
 
     t = synth.tensors("gpt_oss_mxfp4", e=4, h=256, i=256, seed=13)
     qw, report, _ = convert_fp4.gpt_oss_mxfp4(t[f"{STEM}.gate_up_proj_blocks"], t[f"{STEM}.gate_up_proj_scales"],
@@ -66,24 +72,24 @@ def test_a_gpt_oss_pack_in_the_w4a8_layout_reads_back_byte_for_byte():
                                               fmt="w4a8_mxfp4", expert_offset=4)
     assert report.exact
     w = moe_ep.ExpertWeights.from_quantized(qw, rank=1, world_size=2, num_experts=8)
-    got = w4a8_weights.prepare(w, torch.device("cpu")).canonical()
+    got = Sm90W4A8Weights.prepare(w, torch.device("cpu")).canonical()
     assert got.fmt == "w4a8_mxfp4" and got.expert_offset == 4
     for name in qw.tensor_fields():
         assert _same(getattr(got, name), getattr(qw, name)), name
-    with pytest.raises(FormatError, match="Hopper W4A8 kernel runs 'w4a8_mxfp4'"):
-        w4a8_weights.prepare(moe_ep.ExpertWeights.from_quantized(_packs()["bf16"], 0, 1, 4), torch.device("cpu"))
+    with pytest.raises(FormatError, match="quantized as 'bf16', the kernel runs 'w4a8_mxfp4'"):
+        Sm90W4A8Weights.prepare(moe_ep.ExpertWeights.from_quantized(_packs()["bf16"], 0, 1, 4), torch.device("cpu"))
 
 
 def test_the_frontend_entry_takes_either_kind_of_weights():
     qw = _packs()["fp8_block"]
     w = moe_ep.ExpertWeights.from_quantized(qw, rank=2, world_size=3, num_experts=12)
-    kw = weights.prepare("fp8_block", w, torch.device("cpu"))
+    kw = layout("fp8_block").prepare(w, torch.device("cpu"))
     assert _same(kw.canonical().w13_scale, qw.w13_scale) and kw.expert_offset == 8
     with pytest.raises(FormatError, match="quantized as 'fp8_block'"):
-        weights.prepare("bf16", w, torch.device("cpu"))
+        layout("bf16").prepare(w, torch.device("cpu"))
     bf = torch.randn(4, 512, 256).bfloat16(), torch.randn(4, 256, 256).bfloat16()
-    kw = weights.prepare("fp8_block", moe_ep.ExpertWeights(*bf, rank=0, world_size=1, num_experts=4),
-                         torch.device("cpu"))
+    kw = layout("fp8_block").prepare(moe_ep.ExpertWeights(*bf, rank=0, world_size=1, num_experts=4),
+                                     torch.device("cpu"))
     assert _same(kw.canonical().w13_q, moe_ep.formats.quantize_weights("fp8_block", *bf).w13_q)
 
 

@@ -1,11 +1,16 @@
-"""Experts swapped in place in the Hopper kernel layouts (Sm90KernelWeights.replace_experts, moe_ep's EPLB swap): the
-kernel tensors keep their addresses and, byte for byte, equal a fresh prepare_weights of the new expert set -- from
+"""Experts swapped in place in the Hopper kernel layouts (KernelWeights.replace_experts, moe_ep's EPLB swap): the
+kernel tensors keep their addresses and, byte for byte, equal a fresh load of the new expert set -- from
 bf16 through the format quantizer and from already-quantized weights alike; nothing outside the chosen experts moves."""
 import pytest
 import torch
 
 from moe_ep.formats import quantize_weights
-from shim.sm90 import weights
+from shim.sm90.formats import BACKENDS
+
+
+def layout(fmt):
+    """The format's Hopper weight layout (its frontend's KernelWeights class)."""
+    return BACKENDS.row(fmt).frontend_class().weights_layout
 
 FIELDS = ("fc1", "fc2", "fc1_scale", "fc2_scale", "fc1_act_dequant", "fc1_w_dequant", "fc2_act_dequant",
           "fc2_w_dequant")
@@ -28,14 +33,13 @@ def test_a_swap_leaves_the_bytes_of_a_fresh_load_at_the_same_addresses(fmt):
     w13, w2 = _w(5)
     n13, n2 = _w(2, seed=1)
     cal = dict(act_amax=3.0, fc2_act_amax=0.5) if fmt == "fp8_tensor" else {}
-    kw = weights.prepare_weights(fmt, w13, w2, torch.device("cpu"), expert_offset=5, **cal)
-    before = {f: (getattr(kw, f).data_ptr(), _bytes(getattr(kw, f)).clone())
-              for f in FIELDS if getattr(kw, f) is not None}
+    kw = layout(fmt).from_bf16(w13, w2, torch.device("cpu"), expert_offset=5, **cal)
+    before = {f: (getattr(kw, f).data_ptr(), _bytes(getattr(kw, f)).clone()) for f in FIELDS if hasattr(kw, f)}
     slots = [3, 0]
     kw.replace_experts(slots, quantize_weights(fmt, n13, n2, **cal))
     want13, want2 = w13.clone(), w2.clone()
     want13[slots], want2[slots] = n13, n2
-    fresh = weights.prepare_weights(fmt, want13, want2, torch.device("cpu"), expert_offset=5, **cal)
+    fresh = layout(fmt).from_bf16(want13, want2, torch.device("cpu"), expert_offset=5, **cal)
     for f, (ptr, old) in before.items():
         got = getattr(kw, f)
         assert got.data_ptr() == ptr, f  # written in place: the compiled kernel's arguments stay valid
@@ -49,7 +53,7 @@ def test_a_swap_leaves_the_bytes_of_a_fresh_load_at_the_same_addresses(fmt):
 def test_per_tensor_experts_must_share_the_layers_static_activation_scales():
     import moe_ep
 
-    kw = weights.prepare_weights("fp8_tensor", *_w(3), torch.device("cpu"), act_amax=3.0, fc2_act_amax=0.5)
+    kw = layout("fp8_tensor").from_bf16(*_w(3), torch.device("cpu"), act_amax=3.0, fc2_act_amax=0.5)
     with pytest.raises(moe_ep.FormatError) as e:
         kw.replace_experts([1], quantize_weights("fp8_tensor", *_w(1, seed=2), act_amax=6.0, fc2_act_amax=0.5))
     assert e.value.argument == "weights.act_scale"
@@ -58,7 +62,7 @@ def test_per_tensor_experts_must_share_the_layers_static_activation_scales():
 def test_quantized_input_is_written_as_it_is():
     """QuantizedWeights go in without requantization: bytes that no bf16 tensor quantizes to stay those bytes."""
     w13, w2 = _w(3)
-    kw = weights.prepare_weights("fp8_block", w13, w2, torch.device("cpu"))
+    kw = layout("fp8_block").from_bf16(w13, w2, torch.device("cpu"))
     qw = quantize_weights("fp8_block", *_w(1, seed=2))
     qw.w13_scale.mul_(3.0)  # not what the quantizer would pick for these codes
     qw.w2_q.view(torch.uint8)[0, :4, :4] = 0x3C  # arbitrary e4m3 codes

@@ -6,7 +6,7 @@ import torch
 
 import moe_ep
 from moe_ep.formats import codecs, quantize_weights
-from shim.sm90 import w4a8_weights
+from shim.sm90.w4a8_weights import Sm90W4A8Weights
 
 
 def _w(e=3, h=256, i=128, seed=0):
@@ -27,7 +27,7 @@ def _same(a, b):
 @pytest.mark.parametrize("chunk_bytes", [1 << 30, 2 * 256 * 256 * 4 * 3])  # all experts at once / two at a time
 def test_kernel_tensors_read_back_as_the_format_quantizer(chunk_bytes):
     w13, w2 = _w()
-    kw = w4a8_weights.prepare_weights(w13, w2, torch.device("cpu"), expert_offset=6, chunk_bytes=chunk_bytes)
+    kw = Sm90W4A8Weights.from_bf16(w13, w2, torch.device("cpu"), expert_offset=6, chunk_bytes=chunk_bytes)
     got, want = kw.canonical(), quantize_weights("w4a8_mxfp4", w13, w2, expert_offset=6)
     assert got.fmt == "w4a8_mxfp4" and got.expert_offset == 6
     for name in ("w13_q", "w2_q", "w13_scale", "w2_scale"):
@@ -36,7 +36,7 @@ def test_kernel_tensors_read_back_as_the_format_quantizer(chunk_bytes):
 
 def test_shapes_dtypes_and_strides_are_the_kernels():
     e, h, i = 3, 256, 128
-    kw = w4a8_weights.prepare_weights(*_w(e, h, i), torch.device("cpu"))
+    kw = Sm90W4A8Weights.from_bf16(*_w(e, h, i), torch.device("cpu"))
     assert kw.fc1.dtype == torch.uint8 and kw.fc1.shape == (e, h // 2, 2 * i) and kw.fc1.stride(1) == 1
     assert kw.fc2.dtype == torch.uint8 and kw.fc2.shape == (e, i // 2, h) and kw.fc2.stride(1) == 1
     assert kw.fc1_sf.shape == (e, 2 * i // 64, h // 128, 16, 16) and kw.fc1_sf.is_contiguous()
@@ -55,11 +55,11 @@ def test_a_checkpoint_pack_beyond_the_window_is_brought_into_it():
     codes = torch.randint(0, 16, (2, 128, 256), generator=g, dtype=torch.uint8)
     scale = torch.full((2, 128, 8), 120, dtype=torch.uint8)
     scale[0, 0, 0] = 140            # expert 0 spans 20 binades: the 120-blocks are raised to 129
-    scale13 = torch.full((2, 256, 4), 120, dtype=torch.uint8)
+    scale13 = torch.full((2, 512, 4), 120, dtype=torch.uint8)
     scale13[1, 9, 2] = 131          # expert 1 spans exactly 11: nothing to raise
-    qw = moe_ep.formats.QuantizedWeights("w4a8_mxfp4", codes[:, :, :128].repeat(1, 2, 1), codes,
+    qw = moe_ep.formats.QuantizedWeights("w4a8_mxfp4", codes[:, :, :128].repeat(1, 4, 1), codes,
                                          scale13.view(torch.float8_e8m0fnu), scale.view(torch.float8_e8m0fnu))
-    got = w4a8_weights.layout_quantized(qw, torch.device("cpu")).canonical()
+    got = Sm90W4A8Weights.from_pack(qw, torch.device("cpu")).canonical()
     c2, s2 = codecs.mxfp4_limit_scale_range(qw.w2_q, qw.w2_scale)
     assert _same(got.w2_q, c2) and _same(got.w2_scale, s2)
     assert int(got.w2_scale.view(torch.uint8)[0].min()) == 129 and not _same(got.w2_q, qw.w2_q)
@@ -70,13 +70,13 @@ def test_nan_weights_are_refused_with_a_typed_error():
     w13, w2 = _w()
     w2[1, 2, 3] = float("nan")
     with pytest.raises(moe_ep.FormatError) as e:
-        w4a8_weights.prepare_weights(w13, w2, torch.device("cpu"))
+        Sm90W4A8Weights.from_bf16(w13, w2, torch.device("cpu"))
     assert e.value.argument == "weights.w2" and "NaN" in str(e.value)
 
 
 def test_replacing_experts_in_place_is_a_fresh_load_of_them():
     w13, w2 = _w()
-    kw = w4a8_weights.prepare_weights(w13, w2, torch.device("cpu"), expert_offset=3)
+    kw = Sm90W4A8Weights.from_bf16(w13, w2, torch.device("cpu"), expert_offset=3)
     ptrs = [kw.fc1.data_ptr(), kw.fc2.data_ptr(), kw.fc1_sf.data_ptr(), kw.fc1_residual.data_ptr()]
     g = torch.Generator().manual_seed(9)
     new13, new2 = (torch.randn(2, *w13.shape[1:], generator=g) * 4).bfloat16(), torch.randn(2, *w2.shape[1:],

@@ -11,17 +11,16 @@ import torch
 from moe_ep.core import op, registry, watchdog
 from moe_ep.core.device import require_arch
 from moe_ep.core.dist import RankContext, all_reduce_max, canonical, run_agreed
-from moe_ep.core.errors import (CapacityError, CheckConfigError, DeviceUnavailableError, DTypeError, FormatError,
-                                LayerClosedError, ProcessGroupError, SpecError, UnknownArgumentError,
-                                WatchdogConfigError)
-from moe_ep.core.watchdog import sequence
 from moe_ep.core.spec import LayerGeometry, MoESpec
 from moe_ep.core.validate import (check_expert_ids, check_schedule, checks_mode, validate_forward,
                                   validate_spec_for_backend, validate_weights)
+from moe_ep.core.watchdog import sequence
 from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.eplb import ExpertMap, SlotRouter
 from moe_ep.eplb import placement as eplb_placement
 from moe_ep.eplb import swap as eplb_swap
+from moe_ep.errors import (CapacityError, CheckConfigError, DeviceUnavailableError, DTypeError, FormatError,
+                           LayerClosedError, ProcessGroupError, SpecError, UnknownArgumentError, WatchdogConfigError)
 from moe_ep.formats import QuantizedWeights, check_format
 from moe_ep.split import hooks as split_paths
 
@@ -179,36 +178,34 @@ class MoELayer(LayerGeometry):
         domains = split_paths.domain_map(ctx)  # collective (once per group): before anything can fail locally
         built = {}
 
-        def resolve():
+        def resolve(fmt):
             if device_error is not None:
                 raise device_error
             if not isinstance(spec, MoESpec):
                 raise DTypeError("spec", f"expected moe_ep.MoESpec, got {type(spec).__name__}")
             if name is not None and (not isinstance(name, str) or not name):
                 raise SpecError("name", f"expected None or a non-empty string, got {name!r}")
-            f_in = weights.fmt if fmt is None and isinstance(weights, QuantizedExpertWeights) else fmt
+            if fmt is None and isinstance(weights, QuantizedExpertWeights):
+                fmt = weights.fmt  # already quantized: the layer runs in the pack's format
             if backend is None:
-                entry = registry.select_backend(registry.detect_arch(ctx.device), f_in)
+                entry = registry.select_backend(registry.detect_arch(ctx.device), fmt)
             else:
                 entry = registry.get_entry(backend)
                 if entry.arch != "cpu":  # a kernel backend named on a device of another arch (or the CPU)
                     require_arch(ctx.device, entry.arch, entry.name)
-            f = split_paths.default_format(entry, ctx.device) if f_in is None else check_format(f_in)
-            if f not in entry.formats:
-                raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {f!r}")
+            fmt = split_paths.default_format(entry, ctx.device) if fmt is None else check_format(fmt)
+            if fmt not in entry.formats:  # the entry states what its class serves (registry.resolve_backend)
+                raise FormatError("fmt", f"backend {entry.name!r} serves {list(entry.formats)}, not {fmt!r}")
             cls = registry.resolve_backend(entry.name)
             split_paths.check_topology(cls, entry.name, domains)
-            served = getattr(cls, "weight_formats", entry.formats)
-            if f not in served:
-                raise FormatError("fmt", f"backend {entry.name!r} ({cls.__name__}) serves {list(served)}, not {f!r}")
             _check_options(cls, entry.name, backend_options)
             slot_spec = eplb_placement.slot_spec(spec, ctx, expert_map, id_space, count_load)
-            validate_weights(slot_spec, weights, ctx, f)
-            validate_spec_for_backend(slot_spec, cls, f, ctx.world_size)
-            return entry, cls, f, slot_spec
+            validate_weights(slot_spec, weights, ctx, fmt)
+            validate_spec_for_backend(slot_spec, cls, fmt, ctx.world_size)
+            return entry, cls, fmt, slot_spec
 
-        def local():
-            entry, cls, f, slot_spec = resolve()
+        def local(fmt):
+            entry, cls, fmt, slot_spec = resolve(fmt)
             mode = checks_mode()
             options = (check_schedule(check_values, "check_values", mode),
                        check_schedule(collective_checks, "collective_checks", mode),
@@ -216,13 +213,13 @@ class MoELayer(LayerGeometry):
             bound = watchdog.parse_timeout(timeout_s)
             seq_on = _sequence_option(sequence_check)
             # The backend object (kernel backends resolve their knob set here, before any workspace exists).
-            be = built["backend"] = cls(slot_spec, ctx, fmt=f, **backend_options)
+            be = built["backend"] = cls(slot_spec, ctx, fmt=fmt, **backend_options)
             be.layer_name = self.name
             fields = dict(
                 # The name as given (an integration's module path): a default name counts layers process-wide,
                 # and a process in several groups may count differently from its peers in this one (the position
                 # below is this group's own count).
-                name=name, position=position // 2, backend=entry.name, fmt=f,
+                name=name, position=position // 2, backend=entry.name, fmt=fmt,
                 **canonical(dataclasses.asdict(spec)),
                 slots=None if expert_map is None else [expert_map.num_slots, expert_map.digest()],
                 id_space=id_space if expert_map is not None else None,
@@ -232,24 +229,25 @@ class MoELayer(LayerGeometry):
                 calibration=canonical(_calibration(weights)), weights=type(weights).__name__,
                 device=ctx.device.type, backend_options=canonical(backend_options))
             fields.update({f"backend.{k}": canonical(v) for k, v in (be.agreement() or {}).items()})
-            return (entry, cls, f, slot_spec), bound, options, seq_on, fields
+            return (entry, cls, fmt, slot_spec), bound, options, seq_on, fields
 
         try:
             # One collective: every rank's local checks and the digest of what it built (dist.agree).
-            (entry, cls, f, slot_spec), bound, options, seq_on, _ = run_agreed(
-                ctx, local, "layer arguments", fields=lambda r: r[-1], subject=f"the layer {self.name!r}")
+            (entry, cls, fmt, slot_spec), bound, options, seq_on, _ = run_agreed(
+                ctx, lambda: local(fmt), "layer arguments", fields=lambda r: r[-1], subject=f"the layer {self.name!r}")
             self._values_sched, self._agree_sched, self.chunking, self._out_dtype = options
             self._calls = 0
             self._values_seen = set()
             self._empty = None
             self._on_cuda = ctx.device.type == "cuda"
             # What the backend's forward stages itself (converting once, where it copies anyway); the rest is
-            # converted here (moe_ep.core.backend.Backend.input_dtypes / routing_weight_dtypes).
-            self._hidden_dtypes = getattr(cls, "input_dtypes", (torch.bfloat16,))
-            self._weight_dtypes = getattr(cls, "routing_weight_dtypes", (torch.float32,))
-            self._backend_allocates = bool(getattr(cls, "allocates_output", False))
+            # converted here. Declared by the backend class (moe_ep.core.backend.Backend; the registry resolves only
+            # Backend subclasses).
+            self._hidden_dtypes = cls.input_dtypes
+            self._weight_dtypes = cls.routing_weight_dtypes
+            self._backend_allocates = cls.allocates_output
             self.backend_name = entry.name
-            self.fmt = f
+            self.fmt = fmt
             self.sequence_check = seq_on and log is not None
             self._route_spec = spec if expert_map is None or id_space == "logical" else slot_spec
             # What a bf16 swap quantizes with (statically scaled formats; None when the layer was given quantized
