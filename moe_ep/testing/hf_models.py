@@ -168,10 +168,13 @@ def reference_run(model, ids: torch.Tensor, new_tokens: int) -> Dict[str, Any]:
 
 
 # Some routers' weights jump, not only their ids: PhiMoE's sparsemixer masks experts whose logit is a threshold
-# below the top one, so a token near that threshold gets weight 1 or 0.5 for the same experts. A position whose
-# routing weights moved by more than this (relative) counts as rerouted, like one whose experts changed. Smooth
-# routers (softmax, sigmoid) move theirs by about the input's own difference: under 1 % here.
-ROUTE_WEIGHT_JUMP = 0.05
+# below the top one, so a token near that threshold gets weight 1 or 0.5 for the same experts (a relative move of
+# 0.5). A position whose routing weights moved by more than half that counts as rerouted, like one whose experts
+# changed. Smooth routers (softmax, sigmoid) move theirs by about the input's own difference: under 1 % in bf16, but
+# up to ~10-20 % downstream of an FP8 or W4A8 layer whose top-2 scores nearly tie; a bound of 0.05 called 90-98 % of
+# Mixtral's and Qwen3's positions "rerouted" there (FP8 against transformers, CPU and the H200 alike) and so left
+# them unchecked, which the min_compared rule then failed.
+ROUTE_WEIGHT_JUMP = 0.25
 
 
 def _route_changed(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
