@@ -73,6 +73,14 @@ class QuantizedWeights:
         start = sl.start or 0
         return replace(self, expert_offset=self.expert_offset + start, **kw)
 
+    def write_experts(self, local_slots, weights: "QuantizedWeights") -> None:
+        """Rewrite rows in place: expert i of `weights` into local slot local_slots[i], every per-expert field (the
+        tensors stay the same objects, so every view of them sees the new experts)."""
+        for name in self.per_expert_fields():
+            dst, src = getattr(self, name), getattr(weights, name)
+            for i, s in enumerate(local_slots):
+                dst[s].copy_(src[i])
+
     def dequantize(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in fp32, canonical layout."""
         return dequantize_weights(self)

@@ -76,11 +76,7 @@ class TorchReferenceBackend(Backend):
         return self._qw
 
     def replace_experts(self, local_slots, weights: QuantizedWeights) -> None:
-        # The oracle's own tensors: rows rewritten in place, every field the load filled per expert.
-        for name in self._qw.per_expert_fields():
-            dst, src = getattr(self._qw, name), getattr(weights, name)
-            for i, s in enumerate(local_slots):
-                dst[s].copy_(src[i])
+        self._qw.write_experts(local_slots, weights)  # the oracle's own tensors
 
     def staged_activation(self) -> Optional[QuantizedActivation]:
         return self._staged

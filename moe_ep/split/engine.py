@@ -157,11 +157,7 @@ class ReferenceEngine(LocalEngine):
         return self._qw
 
     def replace_experts(self, local_slots, weights: QuantizedWeights) -> None:
-        # The same tensors back both views: rows rewritten in place.
-        for name in self._qw.per_expert_fields():
-            dst, src = getattr(self._qw, name), getattr(weights, name)
-            for i, s in enumerate(local_slots):
-                dst[s].copy_(src[i])
+        self._qw.write_experts(local_slots, weights)  # the same tensors back both views
 
     def close(self) -> None:
         self._qw = self._local = None

@@ -23,29 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
+from tools.bench.timing import cuda_time_us
+
 H, I, E, K = 7168, 2048, 32, 8
 SHAPES = {"FC1": (2 * I, H), "FC2": (H, I)}  # (N, K)
-
-
-def _time_us(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def _operands(m: int, n: int, k: int, dev, gen):
@@ -126,7 +113,7 @@ def _case(what: str, proj: str, m: int, n: int, k: int, iters: int, ref: Optiona
         torch.cuda.synchronize()
         row["ok"] = True
         row["err_vs_dequant"] = _row_err(out, ref) if ref is not None else None
-        us = _time_us(fn, iters)
+        us = cuda_time_us(fn, iters=iters, warmup=1)
         row["us"], row["tflops"] = us, 2 * m * n * k / (us * 1e-6) / 1e12
     except Exception as e:  # noqa: BLE001 - what the call raises is the finding
         row["ok"] = False
@@ -224,7 +211,7 @@ def engine_cases(dev, gen, iters: int, tokens: int) -> List[dict]:
                 eng.forward(rows_in, ids, w, out)
                 torch.cuda.synchronize()
                 row["ok"] = bool(torch.isfinite(out.float()).all())
-                row["us"] = _time_us(lambda: eng.forward(rows_in, ids, w, out), iters)
+                row["us"] = cuda_time_us(lambda: eng.forward(rows_in, ids, w, out), iters=iters, warmup=1)
                 outs[kernels] = out.clone()
                 if cls is te.ScaledMMEngine and kernels == "torch":
                     real = te.block_scaled_mm
