@@ -108,6 +108,18 @@ def test_the_first_diverging_call_and_what_the_rank_did(fault, call, expect):
     assert "made 5 collective call(s) after it" in text and text.endswith("(exit code 86).\n")
 
 
+def test_stopped_within_a_call_of_the_place_it_says_it_cannot_tell():
+    """The watchdog can halt the ranks one call after they part (a beat right then): a skip and a wrong call look
+    alike from one call, so the message says what each rank made and that it cannot tell which fault it was."""
+    ref, bad = alternating(40), alternating(40, skip=21)
+    for n0, n1 in ((21, 21), (22, 21), (21, 22)):
+        f = divergence.analyze({0: entries(ref[:n0]), 1: entries(bad[:n1])}, 10, NAMES)
+        assert f.call == 21 and f.out == [1]
+        assert f.how[1] == ("made 'L2' call 11 where rank 0 made 'L1' call 11 (too few calls were made after it to "
+                            "tell a call left out, one made too many and a different one apart)"), (n0, n1)
+    f = divergence.analyze({0: entries(ref[:23]), 1: entries(bad[:22])}, 10, NAMES)  # two each: told
+    assert f.how[1].startswith("left out 'L1' call 11")
+
 def test_one_layer_a_left_out_call_and_the_majority_of_three():
     one = [L1] * 30
     f = divergence.analyze({0: entries(one), 1: entries(one), 2: entries([L1] * 10 + [L2] + [L1] * 19)}, 0, NAMES)

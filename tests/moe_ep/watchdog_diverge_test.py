@@ -54,16 +54,25 @@ def test_in_band_every_case_raises_before_any_wrong_output(tmp_path):
 
 def test_the_watchdog_catches_a_skip_the_exchange_cannot_see(tmp_path):
     res = run(tmp_path, "--device", "cpu", "--cases", "skip")
+    # How far each rank got before the watchdog halted it depends on when a heartbeat fell (on a loaded machine:
+    # right after the skip). Group call numbers: the 2 warm-ups, then the loop; rank 1 left loop call 21 out.
+    made = {r["rank"]: r["records"]["skip"]["calls_returned"] + 2 for r in res["ranks"]}
     for r in res["ranks"]:
         text = r["watchdog_message"]
         assert r["returncode"] == 86 and text.count("moe_ep watchdog:") == 1
-        assert "the ranks fell out of step at group call 23" in text
-        assert "rank 1: left out 'skip.L1' call 12" in text and "layers involved: 'skip.L1', 'skip.L2'" in text
-        rec = r["records"]["skip"]
-        # Without the fingerprint in the exchange, the calls made before the watchdog saw it returned wrong outputs
-        # (on the GPU: queued); the message says how many calls this rank made after the divergence.
-        assert rec["calls_returned"] >= 21 and "collective call(s) after it" in text
-
+        assert "the ranks fell out of step at group call 23" in text and "out of step: rank 1 (against rank 0)" in text
+        assert "layers involved: 'skip.L1', 'skip.L2'" in text
+        # Told apart from a wrong call once rank 1 made group calls 23-24 and rank 0 made 24-25 (what rank 1 made
+        # from 23 on is rank 0's from 24 on); from fewer the message must say it cannot tell, and guess nothing.
+        if made[0] >= 25 and made[1] >= 24:
+            assert "rank 1: left out 'skip.L1' call 12" in text, (made, text)
+        else:
+            assert ("rank 1: left out 'skip.L1' call 12" in text
+                    or "rank 1: made 'skip.L2' call 12 where rank 0 made 'skip.L1' call 12 (too few calls" in text)
+        # Without the fingerprint in the exchange, the calls returned after the divergence were wrong outputs (on
+        # the GPU: queued); the message counts this rank's calls after it whenever it made any.
+        if made[r["rank"]] > 23:
+            assert "collective call(s) after it" in text, (made, text)
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))

@@ -113,6 +113,11 @@ def _how(at, r: int, q: int, s: int, names: Dict[int, str]) -> str:
         return f"left out {_call(names, theirs)}: its calls from there on are rank {q}'s, one early"
     if extra:
         return f"made {_call(names, mine)} one time too many: its calls from there on are rank {q}'s, one late"
+    told = min(len(codes(r, s, SHIFT_MIN)), len(codes(q, s + 1, SHIFT_MIN)),
+               len(codes(r, s + 1, SHIFT_MIN)), len(codes(q, s, SHIFT_MIN))) >= SHIFT_MIN
+    if not told:  # the watchdog stopped the ranks within a call or two of the place: say so, guess nothing
+        return (f"made {_call(names, mine)} where rank {q} made {_call(names, theirs)} (too few calls were made "
+                "after it to tell a call left out, one made too many and a different one apart)")
     return f"made {_call(names, mine)} where rank {q} made {_call(names, theirs)}"
 
 
