@@ -41,7 +41,8 @@ def test_in_band_every_case_raises_before_any_wrong_output(tmp_path):
         e0, e1 = r0[case]["error"], r1[case]["error"]
         assert e0["call"] == e1["call"] == call and e0["ranks"] == e1["ranks"] == [1], (case, e0, e1)
         assert r0[case]["wrong_returned"] == r1[case]["wrong_returned"] == 0
-        assert r0[case]["next_call"]["s"] < 0.05  # refused at once, no collective
+        # refused at once, before any collective (fault_matrix_test: a call through one took 2-3 s); 0.25 s as there
+        assert r0[case]["next_call"]["s"] < 0.25 and r1[case]["next_call"]["s"] < 0.25
     skip = r0["skip:default"]["error"]["message"]
     assert "rank 0 (this rank) is in 'skip_default.L1' call 12 (group call 23)" in skip
     assert "rank 1 is in 'skip_default.L2' call 12 (group call 23)" in skip
