@@ -25,6 +25,7 @@ still joins the kernel's cross-rank barriers.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
@@ -208,6 +209,11 @@ class MegaMoEFrontend(Composed, LayerGeometry):
         self.graphs = GraphCache(lambda: pool.graph_pool)
         self._lease = self._pool.acquire(id(self), self.staging_buffers(), self.compile_key(),
                                          self.kernel.get_workspace_sizes(), self.kernel_buffers())
+        if self.compile_only:
+            # A compile check's frontend is seldom closed (the drop tool's child builds one per job, a test one per
+            # case): its share goes when it does. Only here: a compile-only release touches no device and no peer,
+            # where a real one is collective and must stay an explicit close().
+            weakref.finalize(self, self._lease.release).atexit = False
         self._bind()
 
     def _bind(self) -> None:

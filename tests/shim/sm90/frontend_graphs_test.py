@@ -168,5 +168,26 @@ def test_a_closed_frontend_frees_its_weights_without_the_garbage_collector(stand
     assert torch.UntypedStorage._expired(arena)  # the workspace's arena (no other layer holds the pool)
 
 
+
+def test_a_compile_checks_frontend_dropped_unclosed_leaves_the_pool(stand_ins):
+    """The drop tool's child and the compile tests build compile-only frontends and never close them: each one's
+    share of the (compile-only) pool goes with it, so a process building many holds one, not all."""
+    from shim.common.backend import compile_only_frontend
+
+    def build(capacity):
+        f = compile_only_frontend("sm90_fp8_cutedsl", moe_ep.MoESpec(512, 256, 8, 4, capacity))
+        return f, f._pool
+
+    f, pool = build(16)
+    before = pool.stats()["layers"]
+    others = [build(c)[0] for c in (32, 64)]
+    assert pool.stats()["layers"] == before + 2
+    gc.disable()
+    try:
+        del others, f  # no close(), no collector: reference counting alone
+        assert pool.stats()["layers"] == before - 1
+    finally:
+        gc.enable()
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-p", "no:cacheprovider"]))
