@@ -12,10 +12,10 @@ from typing import Optional, Sequence
 
 __all__ = [
     "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError",
-    "NonContiguousError", "ExpertIndexError", "CapacityError", "SpecError", "FormatError",
+    "NonContiguousError", "ExpertIndexError", "CapacityError", "GradientError", "SpecError", "FormatError",
     "CalibrationError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
     "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
-    "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "RegistrationError",
+    "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "LayerCopyError", "RegistrationError",
     "RankDivergenceError", "PeerLostError", "RankDisagreementError", "UnknownArgumentError",
     "DeviceUnavailableError",
     "CheckConfigError", "IntegrationError",
@@ -75,6 +75,11 @@ class ExpertIndexError(InputError):
 
 class CapacityError(InputError):
     """More tokens than the workspace was sized for (max_tokens_per_rank)."""
+
+
+class GradientError(InputError):
+    """A forward that needs a gradient (an input requires grad under grad mode): moe_ep computes none, and an output
+    without a graph would leave every gradient through the layer silently out."""
 
 
 class SpecError(MoEError, ValueError):
@@ -162,6 +167,11 @@ class WatchdogConfigError(MoEError, ValueError):
 
 class LayerClosedError(MoEError, RuntimeError):
     """The layer was closed (close(), or its with-block ended): its workspace share and graphs are gone."""
+
+
+class LayerCopyError(MoEError, TypeError):
+    """A layer copied or pickled: it holds a process group, a collective workspace and its place in the ranks'
+    sequence of calls, none of which a copy could share or rebuild on one rank alone."""
 
 
 class RegistrationError(MoEError, ValueError):

@@ -20,7 +20,8 @@ from moe_ep.eplb import ExpertMap, SlotRouter
 from moe_ep.eplb import placement as eplb_placement
 from moe_ep.eplb import swap as eplb_swap
 from moe_ep.errors import (CapacityError, CheckConfigError, DeviceUnavailableError, DTypeError, FormatError,
-                           LayerClosedError, ProcessGroupError, SpecError, UnknownArgumentError, WatchdogConfigError)
+                           GradientError, LayerClosedError, LayerCopyError, ProcessGroupError, SpecError,
+                           UnknownArgumentError, WatchdogConfigError)
 from moe_ep.formats import QuantizedWeights, check_format
 from moe_ep.split import hooks as split_paths
 
@@ -342,13 +343,37 @@ class MoELayer(LayerGeometry):
         max_tokens_across_ranks (the most tokens any rank passes to this call, the same number on every rank: an
         engine under data-parallel attention knows it) or on a layer built with chunking="agree" (the ranks agree
         on it, one tiny all_reduce per call). Under torch.compile the call is one opaque custom op
-        (moe_ep.core.op)."""
+        (moe_ep.core.op). A call that needs a gradient (hidden, topk_weights or out requiring grad under grad
+        mode) raises GradientError: moe_ep serves inference and computes none."""
+        if torch.is_grad_enabled() and (getattr(hidden, "requires_grad", False)
+                                        or getattr(topk_weights, "requires_grad", False)
+                                        or getattr(out, "requires_grad", False)):
+            self._refuse_gradient(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks)
         if torch.compiler.is_compiling():
             if out is None:
                 return op.forward(hidden, topk_idx, topk_weights, self.handle, max_tokens_across_ranks)
             op.forward_out(hidden, topk_idx, topk_weights, out, self.handle, max_tokens_across_ranks)
             return out
         return self.forward_eager(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks)
+
+    def _take_part_empty(self, hidden, topk_idx, topk_weights, max_tokens_across_ranks=None) -> None:
+        """This call with no tokens, before a refusal on this rank alone: every call is collective, and the peers'
+        call completes with whatever they pass (under torch.compile this runs as traced code)."""
+        with torch.no_grad():
+            if all(isinstance(t, torch.Tensor) for t in (hidden, topk_idx, topk_weights)):
+                self.forward(hidden.detach()[:0], topk_idx[:0], topk_weights.detach()[:0],
+                             max_tokens_across_ranks=max_tokens_across_ranks)
+            else:  # no call at all: the input checks say why, typed
+                self.forward(hidden, topk_idx, topk_weights, max_tokens_across_ranks=max_tokens_across_ranks)
+
+    def _refuse_gradient(self, hidden, topk_idx, topk_weights, out, max_tokens_across_ranks) -> None:
+        self._take_part_empty(hidden, topk_idx, topk_weights, max_tokens_across_ranks)
+        which = next(n for n, t in (("hidden", hidden), ("topk_weights", topk_weights), ("out", out))
+                     if t is not None and t.requires_grad)
+        raise GradientError(which, "a forward that needs a gradient (it requires grad under grad mode): moe_ep "
+                                   "computes no gradients (it serves inference), and an output without a graph would "
+                                   "leave every gradient through this layer out; run under torch.inference_mode() "
+                                   "or torch.no_grad(), or pass it detached")
 
     def forward_eager(self, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                       out: Optional[torch.Tensor] = None, max_tokens_across_ranks: Optional[int] = None) -> torch.Tensor:
@@ -549,6 +574,20 @@ class MoELayer(LayerGeometry):
                 self._backend.close()
             finally:
                 self._backend = None
+
+    def __copy__(self):
+        raise LayerCopyError(self.name or "layer", "an moe_ep layer cannot be copied: a copy would share this one's "
+                                                   "backend and workspace but count its calls apart (and close "
+                                                   "them under it); build a new layer on every rank")
+
+    def __deepcopy__(self, memo):
+        raise LayerCopyError(self.name or "layer", "an moe_ep layer cannot be copied (its workspace is collective): "
+                                                   "build a new layer on every rank")
+
+    def __reduce_ex__(self, protocol):
+        raise LayerCopyError(self.name or "layer", "an moe_ep layer cannot be pickled or saved with torch.save (it "
+                                                   "holds a process group and a collective workspace); save its "
+                                                   "weights (oracle_weights(), or MoEModule's state_dict()) instead")
 
     def __enter__(self):
         return self

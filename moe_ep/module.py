@@ -73,11 +73,9 @@ class MoEModule(torch.nn.Module):
         return self._layer(hidden, topk_idx, topk_weights, out, max_tokens_across_ranks=max_tokens_across_ranks)
 
     def _refuse_gradient(self, hidden, topk_idx, topk_weights, max_tokens_across_ranks):
-        """Every layer call is collective: take part with no tokens (the peers' call completes whatever they
-        pass), then refuse. Under torch.compile this runs as traced code, so compiled models raise alike."""
-        with torch.no_grad():
-            self._layer(hidden.detach()[:0], topk_idx[:0], topk_weights.detach()[:0],
-                        max_tokens_across_ranks=max_tokens_across_ranks)
+        """The layer would refuse it too (GradientError); the module's refusal names the module (under an
+        integration, the model's path to it). Compiled models raise alike: this runs as traced code."""
+        self._layer._take_part_empty(hidden, topk_idx, topk_weights, max_tokens_across_ranks)
         which = "hidden" if hidden.requires_grad else "topk_weights"
         raise IntegrationError(self._name or "hidden", f"a forward that needs a gradient ({which} requires "
                                                              f"grad under grad mode): moe_ep computes no gradients "

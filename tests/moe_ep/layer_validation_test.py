@@ -160,6 +160,43 @@ def test_bad_forward_input(layer, kind, err, argument, expected):
     assert layer(*_inputs()).shape == (5, H)
 
 
+
+@pytest.mark.parametrize("which", ["hidden", "topk_weights", "out"])
+def test_a_call_that_needs_a_gradient_is_refused(layer, which):
+    """moe_ep computes no gradients: an output without a graph would leave every gradient through the layer out,
+    silently. Refused (GradientError, an InputError naming the argument) under grad mode; the same inputs run
+    under no_grad / inference_mode, or detached, and the layer runs on."""
+    x, idx, w = _inputs()
+    want = layer(x, idx, w)
+    args = dict(hidden=x.float(), topk_weights=w.clone(), out=torch.empty(5, H))
+    args[which].requires_grad_()
+    with pytest.raises(moe_ep.errors.GradientError) as e:
+        layer(args["hidden"], idx, args["topk_weights"], out=args["out"])
+    assert e.value.argument == which and isinstance(e.value, moe_ep.InputError)
+    assert "computes no gradients" in str(e.value) and "inference_mode" in str(e.value)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = layer(args["hidden"], idx, args["topk_weights"])
+        assert not got.requires_grad and torch.equal(got, want)
+    assert torch.equal(layer(args["hidden"].detach(), idx, args["topk_weights"].detach()), want)
+    with pytest.raises(moe_ep.errors.DTypeError):  # not a tensor: the input checks answer first, typed
+        layer(x.float().requires_grad_(), idx, w.tolist())
+
+
+def test_a_layer_is_not_copied_or_pickled(layer):
+    """A copy would share the backend and workspace but count calls apart; a pickle cannot carry a process group:
+    LayerCopyError (a TypeError, as pickle's own refusals are), naming the layer; the layer runs on."""
+    import copy
+    import io
+    import pickle
+
+    for what, fn in (("copy", copy.copy), ("deepcopy", copy.deepcopy), ("pickle", pickle.dumps),
+                     ("torch.save", lambda lay: torch.save(lay, io.BytesIO()))):
+        with pytest.raises(moe_ep.errors.LayerCopyError) as e:
+            fn(layer)
+        assert isinstance(e.value, TypeError) and e.value.argument == layer.name, what
+    assert layer(*_inputs()).shape == (5, H)
+
 def _outcome(fn, *args):
     try:
         return fn(*args)
