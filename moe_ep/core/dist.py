@@ -446,7 +446,12 @@ def _group_id(ctx: RankContext) -> int:
 
 
 def check_group(ctx: RankContext, what: str) -> None:
-    """Raise the group's PeerLostError again, at once, when it lost a peer earlier."""
+    """Raise the group's PeerLostError again, at once, when it lost a peer earlier; ProcessGroupError when the
+    process group was torn down under a live layer (torch's own error is an untyped ValueError from inside c10d)."""
+    if ctx.pg_backend != "none" and not dist.is_initialized():
+        raise ProcessGroupError("group", f"{what} of a layer whose process group was destroyed "
+                                         "(torch.distributed.destroy_process_group): close every moe_ep layer "
+                                         "(layer.close(), or its with-block) before tearing the group down")
     if _lost:
         err = _lost.get(_group_id(ctx))
         if err is not None:
