@@ -15,8 +15,10 @@ from typing import Any, Optional
 
 import torch
 
-from moe_ep.errors import CalibrationError, DTypeError, FormatError, ShapeError, WeightsRankError, WorldSizeError
+from moe_ep.errors import (CalibrationError, DeviceError, DTypeError, FormatError, ShapeError, WeightsRankError,
+                           WorldSizeError)
 from moe_ep.formats import QuantizedWeights, check_pack
+from moe_ep.formats.packs import META_WEIGHTS
 
 __all__ = ["ExpertWeights", "QuantizedExpertWeights", "owner_rank"]
 
@@ -90,6 +92,8 @@ class ExpertWeights(_RankBlock):
                 raise DTypeError(f"weights.{name}", f"expected dtype torch.bfloat16, got {t.dtype}")
             if t.dim() != 3:
                 raise ShapeError(f"weights.{name}", f"expected a 3-D tensor, got shape {tuple(t.shape)}")
+            if t.is_meta:
+                raise DeviceError(f"weights.{name}", META_WEIGHTS)
         e_local = _check_ownership("weights", self.rank, self.world_size, self.num_experts)
         e1, n2, h = self.w13.shape
         e2, h2, i = self.w2.shape

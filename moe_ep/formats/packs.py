@@ -99,6 +99,10 @@ class QuantizedActivation:
         return QuantizedActivation(self.fmt, self.q[index], None if self.scale is None else self.scale[index])
 
 
+META_WEIGHTS = ("expected tensors that hold data, got meta tensors (a model built on the meta device has no weights "
+                "yet: load them first)")
+
+
 def quantize_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, *, act_amax: Optional[float] = None,
                      fc2_act_amax: Optional[float] = None, expert_offset: int = 0) -> QuantizedWeights:
     """Canonical bf16 [E,2I,H] / [E,H,I] -> the format's QuantizedWeights."""
@@ -145,6 +149,8 @@ def check_pack(qw: QuantizedWeights, prefix: str = "weights.qw") -> None:
     for arg, msg in format_violations(qw.fmt, h, i):
         raise ShapeError(f"{prefix}.{'w13_q' if arg == 'hidden_size' else 'w2_q'}", msg)
     device = qw.w13_q.device
+    if device.type == "meta":
+        raise DeviceError(f"{prefix}.w13_q", META_WEIGHTS)
     for name, rule in pack_rules(qw.fmt, e, h, i).items():
         t = getattr(qw, name)
         arg = f"{prefix}.{name}"

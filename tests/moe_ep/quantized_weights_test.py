@@ -77,6 +77,17 @@ def test_a_pack_that_does_not_fit_its_format(field, value, error, match):
     assert e.value.argument == f"weights.qw.{field}"
 
 
+def test_a_pack_on_the_meta_device_is_a_device_error():
+    from dataclasses import fields, replace
+
+    qw = _pack("fp8_block")
+    meta = replace(qw, **{f.name: getattr(qw, f.name).to("meta") for f in fields(qw)
+                          if isinstance(getattr(qw, f.name), torch.Tensor)})
+    with pytest.raises(moe_ep.errors.DeviceError, match="meta tensors") as e:
+        moe_ep.ExpertWeights.from_quantized(meta, 0, 1, E)
+    assert e.value.argument == "weights.qw.w13_q"
+
+
 def test_nvfp4_codes_and_global_scales_are_checked():
     from dataclasses import replace
 

@@ -66,6 +66,7 @@ def test_from_global_slices_contiguous_blocks():
     (lambda a: a.update(w13=a["w13"][0]), moe_ep.errors.ShapeError, "weights.w13"),
     (lambda a: a.update(w13=a["w13"][:1]), moe_ep.errors.ShapeError, "weights.w13"),
     (lambda a: a.update(w2=a["w2"][:, :, :3]), moe_ep.errors.ShapeError, "weights.w2"),
+    (lambda a: a.update(w2=a["w2"].to("meta")), moe_ep.errors.DeviceError, "weights.w2"),  # no data to copy
     (lambda a: a.update(rank=4), moe_ep.errors.WeightsRankError, "weights.rank"),
     (lambda a: a.update(rank=-1), moe_ep.errors.WeightsRankError, "weights.rank"),
     (lambda a: a.update(num_experts=6, world_size=4), moe_ep.errors.WorldSizeError, "weights.world_size"),
