@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 __all__ = [
     "MoEError", "InputError", "DTypeError", "ShapeError", "TopKMismatchError", "DeviceError",
     "NonContiguousError", "ExpertIndexError", "CapacityError", "GradientError", "SpecError", "FormatError",
-    "CalibrationError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
+    "CalibrationError", "WeightValueError", "WorldSizeError", "WeightsRankError", "ProcessGroupError", "PeerValidationError",
     "BackendNotFoundError", "BackendUnavailableError", "OracleMismatchError", "KnobError", "TuningError",
     "ProcessGroupEnvError", "WorkspaceError", "WatchdogConfigError", "LayerClosedError", "LayerCopyError", "RegistrationError",
     "RankDivergenceError", "PeerLostError", "RankDisagreementError", "UnknownArgumentError",
@@ -88,6 +88,11 @@ class SpecError(MoEError, ValueError):
 
 class FormatError(MoEError, ValueError):
     """An unknown quantization format, or one the chosen backend does not serve."""
+
+
+class WeightValueError(MoEError, ValueError):
+    """Weights whose values the layer's format cannot hold: a non-finite bf16 weight to quantize (a block scale
+    saturates on it and the block's other codes turn to zero: finite, wrong outputs)."""
 
 
 class CalibrationError(MoEError, ValueError):

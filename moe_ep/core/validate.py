@@ -16,6 +16,7 @@ from moe_ep.core.weights import ExpertWeights, QuantizedExpertWeights
 from moe_ep.errors import (CapacityError, CheckConfigError, DeviceError, DTypeError, NonContiguousError,
                            ExpertIndexError, ShapeError, SpecError, TopKMismatchError, WeightsRankError, WorldSizeError)
 from moe_ep.formats import format_info
+from moe_ep.formats.packs import check_finite_to_quantize
 
 __all__ = ["validate_weights", "validate_spec_for_backend", "validate_forward", "check_expert_ids", "CHECKS_ENV",
            "checks_mode", "check_schedule"]
@@ -60,6 +61,7 @@ def validate_weights(spec: MoESpec, weights: ExpertWeights, ctx: RankContext, fm
                                         f"got {list(weights.w13.shape)}")
     if tuple(weights.w2.shape) != (e_local, h, i):
         raise ShapeError("weights.w2", f"expected [{e_local}, {h}, {i}] ([E_local, H, I]), got {list(weights.w2.shape)}")
+    check_finite_to_quantize(fmt, "weights", w13=weights.w13, w2=weights.w2)
     if format_info(fmt).static_activation_scales:
         from moe_ep.errors import CalibrationError
 

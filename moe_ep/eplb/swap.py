@@ -22,6 +22,7 @@ from moe_ep.eplb.expert_map import ExpertMap
 from moe_ep.errors import (BackendUnavailableError, CalibrationError, DTypeError, ExpertIndexError, ExpertMapError,
                            FormatError, ShapeError)
 from moe_ep.formats import QuantizedWeights, format_info, quantize_weights
+from moe_ep.formats.packs import check_finite_to_quantize
 
 __all__ = ["replace_experts", "rearrange"]
 
@@ -100,6 +101,7 @@ def _quantized(layer, n: int, weights) -> Optional[QuantizedWeights]:
             raise ShapeError(f"weights.{name}", f"expected {list(shape)} ([slots, ...]), got {list(t.shape)}")
     if not n:
         return None
+    check_finite_to_quantize(layer.fmt, "weights", w13=weights[0], w2=weights[1])
     cal = layer._calibration
     if format_info(layer.fmt).static_activation_scales and None in cal.values():
         raise CalibrationError("weights", f"fmt {layer.fmt!r} has static activation scales and this layer knows no "

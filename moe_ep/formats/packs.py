@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from moe_ep.errors import CalibrationError, DeviceError, DTypeError, ShapeError
+from moe_ep.errors import CalibrationError, DeviceError, DTypeError, ShapeError, WeightValueError
 from moe_ep.formats.base import PER_EXPERT_FIELDS, POSITIVE_FIELDS, Rule
 from moe_ep.formats.table import check_format, format_info, format_violations
 
@@ -101,6 +101,21 @@ class QuantizedActivation:
 
 META_WEIGHTS = ("expected tensors that hold data, got meta tensors (a model built on the meta device has no weights "
                 "yet: load them first)")
+
+
+def check_finite_to_quantize(fmt: str, prefix: str, **tensors: torch.Tensor) -> None:
+    """Refuse bf16 weights with a NaN or inf before a quantized format takes them: its block scale saturates on an
+    inf and the block's other codes round to zero, so the layer would return finite, wrong outputs (bf16 itself
+    passes them through, visibly). One expert at a time: a bool temporary of one expert, wherever the tensors are."""
+    if fmt == "bf16":
+        return
+    for name, t in tensors.items():
+        for x in range(t.shape[0]):
+            bad = ~torch.isfinite(t[x])
+            if bool(bad.any()):
+                at = [int(v) for v in bad.nonzero()[0]]
+                raise WeightValueError(f"{prefix}.{name}", f"expert {x} holds {float(t[x][tuple(at)])} at {at}: "
+                                                           f"fmt {fmt!r} cannot quantize a non-finite weight")
 
 
 def quantize_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, *, act_amax: Optional[float] = None,

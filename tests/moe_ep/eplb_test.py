@@ -188,6 +188,33 @@ def test_a_layer_without_a_map_counts_on_request_and_takes_weight_updates(group)
         assert counted.load_counts().tolist() == torch.bincount(idx.flatten(), minlength=E).tolist()
 
 
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_quantized_layer_refuses_non_finite_bf16_weights(group, bad):
+    """A block scale saturates on an inf and the block's other codes round to zero: a quantized layer would return
+    finite, wrong outputs for the tokens of that expert. Refused (WeightValueError naming tensor, expert and place)
+    at construction and in a weight update, before anything changes; bf16 passes them through, visibly."""
+    spec = moe_ep.MoESpec(H, I, E, K, C)
+    w13, w2 = _weights()
+    x, idx, w = _inputs()
+    poisoned = w2.clone()
+    poisoned[3, 5, 7] = bad
+    for fmt in ("fp8_block", "w4a8_mxfp4", "mxfp8"):
+        with pytest.raises(moe_ep.errors.WeightValueError) as e:
+            moe_ep.MoELayer(spec, moe_ep.ExpertWeights(w13, poisoned, 0, 1, E), fmt=fmt)
+        assert e.value.argument == "weights.w2" and "expert 3" in str(e.value) and "[5, 7]" in str(e.value), fmt
+    with moe_ep.MoELayer(spec, moe_ep.ExpertWeights(w13, w2, 0, 1, E), fmt="fp8_block") as layer:
+        before = layer(x, idx, w).clone()
+        n13, n2 = _weights(seed=5, e=1)
+        n13[0, 0, 0] = bad
+        with pytest.raises(moe_ep.errors.WeightValueError, match="expert 0 holds"):
+            layer.replace_experts([2], (n13, n2))
+        assert torch.equal(layer(x, idx, w), before)  # nothing written
+    with moe_ep.MoELayer(spec, moe_ep.ExpertWeights(w13, poisoned, 0, 1, E), fmt="bf16") as plain:
+        out = plain(x, idx, w).float()
+        through = (idx == 3).any(1)
+        assert through.any() and not out[through].isfinite().all() and out[~through].isfinite().all()
+
 def test_the_compiled_layer_maps_and_counts_inside_the_custom_op(group):
     spec = moe_ep.MoESpec(H, I, E, K, C)
     m = moe_ep.ExpertMap([0, 1, 2, 3, 0, 0], num_logical=E)
