@@ -22,7 +22,7 @@ from moe_ep.eplb.expert_map import ExpertMap
 from moe_ep.errors import (BackendUnavailableError, CalibrationError, DTypeError, ExpertIndexError, ExpertMapError,
                            FormatError, ShapeError)
 from moe_ep.formats import QuantizedWeights, format_info, quantize_weights
-from moe_ep.formats.packs import check_finite_to_quantize
+from moe_ep.formats.packs import check_finite_to_quantize, check_pack
 
 __all__ = ["replace_experts", "rearrange"]
 
@@ -74,6 +74,8 @@ def _quantized(layer, n: int, weights) -> Optional[QuantizedWeights]:
     if isinstance(weights, QuantizedWeights):
         if weights.fmt != layer.fmt:
             raise FormatError("weights.fmt", f"this layer runs {layer.fmt!r}, got QuantizedWeights of {weights.fmt!r}")
+        if n:  # dtypes, shapes, and values (finite positive scales, the format's code and scale ranges)
+            check_pack(weights, "weights")
         have, want = set(weights.tensor_fields()), set(tmpl.tensor_fields())
         if have != want:
             raise FormatError("weights", f"{layer.fmt!r} weights carry {sorted(want)}, got {sorted(have)}")

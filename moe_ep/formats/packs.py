@@ -183,5 +183,22 @@ def check_pack(qw: QuantizedWeights, prefix: str = "weights.qw") -> None:
         if t.device != device:
             raise DeviceError(arg, f"expected every tensor of the pack on {device} (w13_q's), got {t.device}")
         if name in POSITIVE_FIELDS and not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise ShapeError(arg, f"expected finite positive values, got {t.flatten()[:8].tolist()}")
+            raise WeightValueError(arg, f"expected finite positive values, got {t.flatten()[:8].tolist()}")
+        if name in BLOCK_SCALE_FIELDS and t.dtype.is_floating_point:
+            _check_block_scales(t, arg)
     format_info(qw.fmt).check_values(qw, prefix)
+
+
+BLOCK_SCALE_FIELDS = ("w13_scale", "w2_scale")
+
+
+def _check_block_scales(t: torch.Tensor, arg: str) -> None:
+    """Float block scales multiply their codes: finite and >= 0 (zero: a block of zeros), as a checkpoint's are
+    (moe_ep.checkpoint); a negative or NaN one would turn a block's outputs silently. One expert at a time, as
+    float32 (e4m3 scales included)."""
+    for x in range(t.shape[0]):
+        v = t[x].to(torch.float32)
+        bad = ~torch.isfinite(v) | (v < 0)
+        if bool(bad.any()):
+            raise WeightValueError(arg, f"expected finite non-negative scales; expert {x} holds {int(bad.sum())} "
+                                        f"others (e.g. {v[bad].flatten()[:4].tolist()})")

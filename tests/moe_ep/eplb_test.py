@@ -210,6 +210,16 @@ def test_a_quantized_layer_refuses_non_finite_bf16_weights(group, bad):
         with pytest.raises(moe_ep.errors.WeightValueError, match="expert 0 holds"):
             layer.replace_experts([2], (n13, n2))
         assert torch.equal(layer(x, idx, w), before)  # nothing written
+        # a pack whose values the format cannot hold: checked as a layer's own pack is, nothing written
+        from dataclasses import replace as dc_replace
+
+        from moe_ep.formats import quantize_weights
+        pack = quantize_weights("fp8_block", *_weights(seed=5, e=1))
+        for field, value in (("w2_scale", -pack.w2_scale), ("w13_scale", pack.w13_scale * float("nan"))):
+            with pytest.raises(moe_ep.MoEError) as e:
+                layer.replace_experts([2], dc_replace(pack, **{field: value}))
+            assert isinstance(e.value, moe_ep.errors.WeightValueError) and e.value.argument == f"weights.{field}"
+        assert torch.equal(layer(x, idx, w), before)
     with moe_ep.MoELayer(spec, moe_ep.ExpertWeights(w13, poisoned, 0, 1, E), fmt="bf16") as plain:
         out = plain(x, idx, w).float()
         through = (idx == 3).any(1)

@@ -77,6 +77,30 @@ def test_a_pack_that_does_not_fit_its_format(field, value, error, match):
     assert e.value.argument == f"weights.qw.{field}"
 
 
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "nvfp4"])
+def test_block_scales_must_be_finite_and_non_negative(fmt):
+    """A pack built by hand (not loaded: the loader checks its own): a negative or NaN block scale would turn its
+    block's outputs silently; zero is a block of zeros and stays allowed."""
+    from dataclasses import replace
+
+    qw = _pack(fmt)
+    if not qw.w13_scale.dtype.is_floating_point:
+        pytest.skip(f"{fmt}'s block scales are exponent codes (the format's own range check)")
+    dt = qw.w13_scale.dtype
+    # the bad values the scale dtype can hold (e4m3 saturates inf to 448; e8m0 has no sign)
+    held = [v for v in (-1.0, float("nan"), float("inf")) if not bool(torch.tensor([v]).to(dt).float() >= 0)]
+    assert held
+    for value in held:
+        s = qw.w13_scale.clone()
+        s[1].view(-1)[3] = value
+        with pytest.raises(moe_ep.errors.WeightValueError, match="expert 1") as e:
+            moe_ep.ExpertWeights.from_quantized(replace(qw, w13_scale=s), 0, 1, E)
+        assert e.value.argument == "weights.qw.w13_scale"
+    zero = qw.w13_scale.clone()
+    zero[1].view(-1)[3] = 0
+    moe_ep.ExpertWeights.from_quantized(replace(qw, w13_scale=zero), 0, 1, E)
+
+
 def test_a_pack_on_the_meta_device_is_a_device_error():
     from dataclasses import fields, replace
 
@@ -96,7 +120,7 @@ def test_nvfp4_codes_and_global_scales_are_checked():
     codes[2, 0, 0] = 16
     with pytest.raises(moe_ep.errors.ShapeError, match="expert 2 has a larger byte"):
         moe_ep.ExpertWeights.from_quantized(replace(qw, w2_q=codes), 0, 1, E)
-    with pytest.raises(moe_ep.errors.ShapeError, match="finite positive") as e:
+    with pytest.raises(moe_ep.errors.WeightValueError, match="finite positive") as e:
         moe_ep.ExpertWeights.from_quantized(replace(qw, fc2_act_scale=qw.fc2_act_scale * 0), 0, 1, E)
     assert e.value.argument == "weights.qw.fc2_act_scale"
 
