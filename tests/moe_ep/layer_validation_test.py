@@ -203,6 +203,17 @@ def test_a_call_that_needs_a_gradient_is_refused(layer, which):
         layer(x.float().requires_grad_(), idx, w.tolist())
 
 
+def test_a_compiled_call_that_needs_a_gradient_is_refused_alike(layer):
+    x, idx, w = _inputs()
+    torch._dynamo.reset()
+    block = torch.compile(lambda h: layer(h, idx, w) * 2, backend="aot_eager")
+    with pytest.raises(moe_ep.errors.GradientError) as e:
+        block(x.float().requires_grad_())
+    assert e.value.argument == "hidden"
+    with torch.no_grad():
+        assert torch.equal(block(x.float()), layer(x, idx, w) * 2)
+
+
 def test_a_layer_is_not_copied_or_pickled(layer):
     """A copy would share the backend and workspace but count calls apart; a pickle cannot carry a process group:
     LayerCopyError (a TypeError, as pickle's own refusals are), naming the layer; the layer runs on."""
