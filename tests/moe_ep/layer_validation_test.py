@@ -13,38 +13,39 @@ from tests.support.dist import group_fixture  # noqa: F401 (the `group` fixture)
 H, I, E, K, C = 128, 128, 4, 2, 16
 
 
-def test_uninitialised_process_group_is_a_typed_error():
-    # In a fresh process: this one may hold a group for the tests below.
-    code = ("import moe_ep, torch\n"
-            "spec = moe_ep.MoESpec(128, 128, 4, 2, 16)\n"
-            "w = moe_ep.ExpertWeights(torch.zeros(4, 256, 128, dtype=torch.bfloat16), "
-            "torch.zeros(4, 128, 128, dtype=torch.bfloat16), 0, 1, 4)\n"
-            "try:\n    moe_ep.MoELayer(spec, w)\n"
-            "except moe_ep.ProcessGroupError as e:\n    print('ARG', e.argument, isinstance(e, RuntimeError))\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert "ARG group True" in res.stdout, res.stdout + res.stderr
+# A one-rank layer's set-up for the tests that need a process of their own (this one may hold a group for the
+# tests below).
+_FRESH = ("import moe_ep, torch, torch.distributed as dist\n"
+          "spec = moe_ep.MoESpec(128, 128, 4, 2, 16)\n"
+          "w = moe_ep.ExpertWeights(torch.zeros(4, 256, 128, dtype=torch.bfloat16), "
+          "torch.zeros(4, 128, 128, dtype=torch.bfloat16), 0, 1, 4)\n")
 
+
+def _fresh(code: str) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", _FRESH + code], env=env, capture_output=True, text=True, timeout=120)
+    return res.stdout + "\n--- stderr ---\n" + res.stderr
+
+
+def test_uninitialised_process_group_is_a_typed_error():
+    out = _fresh("try:\n    moe_ep.MoELayer(spec, w)\n"
+                 "except moe_ep.ProcessGroupError as e:\n    print('ARG', e.argument, isinstance(e, RuntimeError))\n")
+    assert "ARG group True" in out, out
 
 
 def test_a_call_after_the_process_group_was_destroyed_is_a_typed_error():
-    # In a fresh process: the group is destroyed under a live layer (an engine's teardown out of order).
-    code = ("import os, moe_ep, torch, torch.distributed as dist\n"
-            "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='0', RANK='0', WORLD_SIZE='1')\n"
-            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
-            "spec = moe_ep.MoESpec(128, 128, 4, 2, 16)\n"
-            "w = moe_ep.ExpertWeights(torch.zeros(4, 256, 128, dtype=torch.bfloat16), "
-            "torch.zeros(4, 128, 128, dtype=torch.bfloat16), 0, 1, 4)\n"
-            "layer = moe_ep.MoELayer(spec, w, timeout_s=0)\n"
-            "x, idx, tw = torch.zeros(2, 128), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2)\n"
-            "layer(x, idx, tw)\n"
-            "dist.destroy_process_group()\n"
-            "try:\n    layer(x, idx, tw)\n"
-            "except moe_ep.ProcessGroupError as e:\n    print('ARG', e.argument, 'destroy_process_group' in str(e))\n"
-            "layer.close()\nprint('CLOSED')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert "ARG group True" in res.stdout and "CLOSED" in res.stdout, res.stdout + res.stderr
+    # The group destroyed under a live layer (an engine's teardown out of order).
+    out = _fresh("dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+                 "layer = moe_ep.MoELayer(spec, w, timeout_s=0)\n"
+                 "x, idx, tw = torch.zeros(2, 128), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2)\n"
+                 "layer(x, idx, tw)\n"
+                 "dist.destroy_process_group()\n"
+                 "try:\n    layer(x, idx, tw)\n"
+                 "except moe_ep.ProcessGroupError as e:\n"
+                 "    print('ARG', e.argument, 'destroy_process_group' in str(e))\n"
+                 "layer.close()\nprint('CLOSED')\n")
+    assert "ARG group True" in out and "CLOSED" in out, out
+
 
 def _weights(**kw):
     g = torch.Generator().manual_seed(0)
