@@ -103,8 +103,9 @@ def _how(at, r: int, q: int, s: int, names: Dict[int, str]) -> str:
         return n >= SHIFT_MIN and x[:n] == y[:n]
 
     mine, theirs = at(r, s), at(q, s)
-    skipped = shifted(codes(r, s, SHIFT_WINDOW), codes(q, s + 1, SHIFT_WINDOW))
-    extra = shifted(codes(r, s + 1, SHIFT_WINDOW), codes(q, s, SHIFT_WINDOW))
+    windows = (codes(r, s, SHIFT_WINDOW), codes(q, s + 1, SHIFT_WINDOW),   # r one early against q
+               codes(r, s + 1, SHIFT_WINDOW), codes(q, s, SHIFT_WINDOW))   # r one late against q
+    skipped, extra = shifted(*windows[:2]), shifted(*windows[2:])
     if skipped and extra:
         return (f"left out {_call(names, theirs)}, or made {_call(names, mine)} one time too many (from the calls "
                 "alone the two look the same); its calls from there on are rank "
@@ -113,9 +114,7 @@ def _how(at, r: int, q: int, s: int, names: Dict[int, str]) -> str:
         return f"left out {_call(names, theirs)}: its calls from there on are rank {q}'s, one early"
     if extra:
         return f"made {_call(names, mine)} one time too many: its calls from there on are rank {q}'s, one late"
-    told = min(len(codes(r, s, SHIFT_MIN)), len(codes(q, s + 1, SHIFT_MIN)),
-               len(codes(r, s + 1, SHIFT_MIN)), len(codes(q, s, SHIFT_MIN))) >= SHIFT_MIN
-    if not told:  # the watchdog stopped the ranks within a call or two of the place: say so, guess nothing
+    if min(map(len, windows)) < SHIFT_MIN:  # the watchdog stopped the ranks within a call or two: guess nothing
         return (f"made {_call(names, mine)} where rank {q} made {_call(names, theirs)} (too few calls were made "
                 "after it to tell a call left out, one made too many and a different one apart)")
     return f"made {_call(names, mine)} where rank {q} made {_call(names, theirs)}"
