@@ -9,6 +9,7 @@ import torch
 
 from moe_ep.errors import CheckpointError
 from moe_ep.formats import QuantizedWeights, pack_rules
+from moe_ep.formats.packs import count_flagged
 
 __all__ = ["expect", "expect_scales", "expect_codes", "expect_finite", "new_pack", "scrub"]
 
@@ -42,18 +43,8 @@ _CHUNK = 1 << 16
 
 
 def _count(t: torch.Tensor, bad) -> tuple:
-    """(how many elements of t `bad` flags, up to 4 of them), over chunks of the flattened tensor."""
-    flat = t.reshape(-1)
-    n, first = 0, []
-    for i in range(0, flat.numel(), _CHUNK):
-        part = flat[i:i + _CHUNK]
-        mask = bad(part)
-        k = int(mask.sum())
-        if k:
-            n += k
-            if len(first) < 4:
-                first += part[mask][:4 - len(first)].float().tolist()
-    return n, first
+    """(how many elements of t `bad` flags, up to 4 of them), _CHUNK values at a time."""
+    return count_flagged(t, bad, _CHUNK)[:2]
 
 
 def expect_codes(t: torch.Tensor, name: str, file: Optional[str] = None) -> torch.Tensor:

@@ -103,19 +103,45 @@ META_WEIGHTS = ("expected tensors that hold data, got meta tensors (a model buil
                 "yet: load them first)")
 
 
+def count_flagged(t: torch.Tensor, bad, chunk: int) -> Tuple[int, list, Optional[int]]:
+    """(how many values of t `bad` flags, up to 4 of them as floats, the flat index of the first or None), `chunk`
+    values of the flattened tensor at a time: the temporaries are the caller's to size (the checkpoint loader keeps
+    them a fraction of a MiB on the host; the layer's checks take one expert at a time, wherever it lives)."""
+    flat = t.reshape(-1)
+    n, first, at = 0, [], None
+    for i in range(0, flat.numel(), max(1, chunk)):
+        part = flat[i:i + chunk]
+        mask = bad(part)
+        k = int(mask.sum())
+        if k:
+            if at is None:
+                at = i + int(mask.nonzero()[0])
+            n += k
+            if len(first) < 4:
+                first += part[mask][:4 - len(first)].float().tolist()
+    return n, first, at
+
+
+def _refuse_flagged(t: torch.Tensor, bad, arg: str, message) -> None:
+    """WeightValueError at the first expert of t [E, ...] holding a value `bad` flags, worded by
+    message(expert, count, first values, place of the first); one expert at a time."""
+    for x in range(t.shape[0]):
+        n, first, i = count_flagged(t[x], bad, t[x].numel())
+        if n:
+            at = [int(v) for v in torch.unravel_index(torch.tensor(i), t[x].shape)]
+            raise WeightValueError(arg, message(x, n, first, at))
+
+
 def check_finite_to_quantize(fmt: str, prefix: str, **tensors: torch.Tensor) -> None:
     """Refuse bf16 weights with a NaN or inf before a quantized format takes them: its block scale saturates on an
     inf and the block's other codes round to zero, so the layer would return finite, wrong outputs (bf16 itself
-    passes them through, visibly). One expert at a time: a bool temporary of one expert, wherever the tensors are."""
+    passes them through, visibly)."""
     if fmt == "bf16":
         return
     for name, t in tensors.items():
-        for x in range(t.shape[0]):
-            bad = ~torch.isfinite(t[x])
-            if bool(bad.any()):
-                at = [int(v) for v in bad.nonzero()[0]]
-                raise WeightValueError(f"{prefix}.{name}", f"expert {x} holds {float(t[x][tuple(at)])} at {at}: "
-                                                           f"fmt {fmt!r} cannot quantize a non-finite weight")
+        _refuse_flagged(t, lambda v: ~torch.isfinite(v), f"{prefix}.{name}",
+                        lambda x, n, first, at: f"expert {x} holds {first[0]} at {at}: fmt {fmt!r} cannot quantize "
+                                                "a non-finite weight")
 
 
 def quantize_weights(fmt: str, w13: torch.Tensor, w2: torch.Tensor, *, act_amax: Optional[float] = None,
@@ -194,11 +220,11 @@ BLOCK_SCALE_FIELDS = ("w13_scale", "w2_scale")
 
 def _check_block_scales(t: torch.Tensor, arg: str) -> None:
     """Float block scales multiply their codes: finite and >= 0 (zero: a block of zeros), as a checkpoint's are
-    (moe_ep.checkpoint); a negative or NaN one would turn a block's outputs silently. One expert at a time, as
-    float32 (e4m3 scales included)."""
-    for x in range(t.shape[0]):
-        v = t[x].to(torch.float32)
-        bad = ~torch.isfinite(v) | (v < 0)
-        if bool(bad.any()):
-            raise WeightValueError(arg, f"expected finite non-negative scales; expert {x} holds {int(bad.sum())} "
-                                        f"others (e.g. {v[bad].flatten()[:4].tolist()})")
+    (moe_ep.checkpoint); a negative or NaN one would turn a block's outputs silently. Read as float32 (e4m3 scales
+    included)."""
+    def bad(v):
+        v = v.to(torch.float32)
+        return ~torch.isfinite(v) | (v < 0)
+
+    _refuse_flagged(t, bad, arg, lambda x, n, first, at: f"expected finite non-negative scales; expert {x} holds {n} "
+                                                          f"others (e.g. {first})")
